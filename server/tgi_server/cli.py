@@ -1,0 +1,77 @@
+"""`text-generation-server serve MODEL --uds-path PATH`: one shard process."""
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from .config import ShardConfig
+
+log = logging.getLogger("tgi_server")
+
+
+def parse_size(text: str) -> int:
+    """'0', '4096', '512MiB', '2GiB', '1.5GB' -> bytes."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+    t = text.strip().lower()
+    number = t.rstrip("kmgib")
+    try:
+        return int(float(number) * units[t[len(number):]])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (e.g. 512MiB, 2GiB)") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="text-generation-server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve one shard of a model over gRPC on a unix socket")
+    serve.add_argument("model_id", nargs="?", default=None,
+                       help="local directory, .gguf file or hub id in the HF cache (default: SmolLM2-135M-Instruct)")
+    serve.add_argument("--revision", default=None)
+    serve.add_argument("--uds-path", default="/tmp/text-generation-server")
+    serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    serve.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--kv-cache-bytes", type=parse_size, default=parse_size("0"),
+                       help="KV cache budget (e.g. 2GiB); 0 = a share of free memory at Warmup")
+    serve.add_argument("--attention-backend", default=os.environ.get("TGI_ATTENTION_BACKEND") or None,
+                       help="reference, sdpa or flash_attn (env TGI_ATTENTION_BACKEND)")
+    serve.add_argument("--num-threads", type=int, default=0, help="torch threads on CPU (0 = torch default)")
+    serve.add_argument("--json-output", action="store_true", help="log JSON lines")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ShardConfig:
+    if args.block_size < 1 or args.block_size & (args.block_size - 1):
+        raise SystemExit("error: --block-size must be a power of two")
+    return ShardConfig(
+        model_id=args.model_id, revision=args.revision, uds_path=args.uds_path, dtype=args.dtype,
+        device=args.device, block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
+        attention_backend=args.attention_backend, num_threads=args.num_threads,
+        rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.json_output)
+    config = config_from_args(args)
+    from .shard import load_shard, run_shard
+    from .weights.errors import CheckpointError
+
+    try:
+        runner, info = load_shard(config)
+    except (CheckpointError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+    try:
+        asyncio.run(run_shard(runner, info, config.socket_path))
+    except KeyboardInterrupt:
+        pass
+
+
+def _setup_logging(json_output: bool) -> None:
+    fmt = ('{"time":"%(asctime)s","level":"%(levelname)s","target":"%(name)s","message":"%(message)s"}'
+           if json_output else "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(), format=fmt)

@@ -1,0 +1,23 @@
+"""The shard's configuration: one frozen dataclass built from flags and the
+environment variables the launcher sets (RANK, WORLD_SIZE, ...)."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    model_id: str | None        # None: the default model (SmolLM2-135M-Instruct)
+    revision: str | None
+    uds_path: str               # the shard listens on unix://{uds_path}-{rank}
+    dtype: str | None           # float32 | bfloat16 | float16; None: chosen by device
+    device: str | None          # cpu | cuda | cuda:N; None: cuda when available
+    block_size: int
+    kv_cache_bytes: int         # 0: chosen at Warmup from the device's free memory
+    attention_backend: str | None
+    num_threads: int            # torch intra-op threads on CPU; 0: torch's default
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def socket_path(self) -> str:
+        return f"{self.uds_path}-{self.rank}"

@@ -1,0 +1,72 @@
+"""Paged self-attention over one ragged batch: decodes first, then prefills."""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tgi_kernels import DecodeMeta, PrefillMeta, paged_decode, store_kv, varlen_prefill
+
+from ..weights.source import TensorSource
+from .linear import Linear
+from .rotary import apply_rotary
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """Everything a step's attention needs besides the hidden states.
+
+    The flat batch holds `num_decode_tokens` decode tokens (one per decoding
+    sequence) followed by the prefill chunks."""
+
+    positions: torch.Tensor      # [T] int64 absolute position of each token
+    slot_mapping: torch.Tensor   # [T] int64 cache slot of each token (block * block_size + offset)
+    num_decode_tokens: int
+    decode: DecodeMeta | None
+    prefill: PrefillMeta | None
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [num_blocks, block_size, kv_heads, head_dim] each
+    backend: str
+
+
+class Attention(nn.Module):
+    """x [T, hidden] -> [T, hidden]; writes the step's K/V into the layer's cache."""
+
+    def __init__(self, qkv: Linear, o_proj: Linear, layer_idx: int, num_heads: int,
+                 num_kv_heads: int, head_dim: int, sliding_window: int):
+        super().__init__()
+        self.qkv, self.o_proj = qkv, o_proj
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.sliding_window = sliding_window
+        self.scale = head_dim ** -0.5
+
+    @classmethod
+    def load(cls, weights: TensorSource, prefix: str, layer_idx: int, num_heads: int,
+             num_kv_heads: int, head_dim: int, sliding_window: int, bias: bool) -> "Attention":
+        qkv = Linear.load_merged(weights, [f"{prefix}.{n}_proj" for n in "qkv"], bias)
+        o_proj = Linear.load(weights, f"{prefix}.o_proj", bias=False)
+        return cls(qkv, o_proj, layer_idx, num_heads, num_kv_heads, head_dim, sliding_window)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        """x [T, hidden], cos/sin [T, head_dim] -> [T, hidden]."""
+        tokens = x.shape[0]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+
+        nd = ctx.num_decode_tokens
+        parts = []
+        if ctx.decode is not None:
+            parts.append(paged_decode(q[:nd], k_cache, v_cache, ctx.decode, self.scale,
+                                      self.sliding_window, ctx.backend))
+        if ctx.prefill is not None:
+            parts.append(varlen_prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, ctx.prefill,
+                                        self.scale, self.sliding_window, ctx.backend))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # [T, heads, head_dim]
+        return self.o_proj(out.reshape(tokens, q_size))

@@ -1,0 +1,48 @@
+"""Rotary position embeddings (rotate-half convention of Hugging Face Llama).
+
+Inverse frequencies come from transformers' own RoPE initialisers, so every
+scaling type a config.json can name (linear, dynamic, yarn, llama3, longrope)
+matches the reference implementation; cos/sin are computed once per step for
+the step's positions and shared by all layers."""
+
+import torch
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+def rope_parameters(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim/2] float32, attention scaling) for the config's RoPE type."""
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, "
+                         + ", ".join(sorted(ROPE_INIT_FUNCTIONS)))
+    # "dynamic" keeps its initial frequencies: Hugging Face only grows the NTK
+    # base past max_position_embeddings, which we never serve.
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for arbitrary positions: positions [T] -> ([T, D], [T, D])."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float):
+        self.inv_freq = inv_freq  # [D/2] float32
+        self.attention_scaling = attention_scaling
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        cos = (emb.cos() * self.attention_scaling).to(dtype)
+        sin = (emb.sin() * self.attention_scaling).to(dtype)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D], cos/sin [T, D] -> rotated x [T, heads, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

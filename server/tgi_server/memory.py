@@ -1,0 +1,26 @@
+"""How much memory the KV cache may take when the caller names no budget."""
+
+from pathlib import Path
+
+import torch
+
+CPU_FRACTION = 0.2          # of MemAvailable: the router, tokenizer and OS need the rest
+CPU_CAP = 8 << 30
+CUDA_FRACTION = 0.9         # of free device memory after Warmup's largest step
+
+
+def kv_cache_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_FRACTION)
+    return int(min(_mem_available() * CPU_FRACTION, CPU_CAP))
+
+
+def _mem_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30

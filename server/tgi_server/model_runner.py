@@ -1,0 +1,153 @@
+"""One shard's engine: sequence state, KV cache, forward pass and sampling.
+
+Not thread-safe: the service calls it from one worker thread at a time."""
+
+import math
+import time
+
+import torch
+
+from tgi_kernels import select_backend
+from tgi_proto import pb
+
+from .batch import StepBatch, build_batch
+from .kv_cache import KVCache
+from .layers.attention import ForwardContext
+from .memory import kv_cache_budget
+from .model_loader import LoadedModel
+from .sampler import Sampler, prompt_logprobs
+from .sequences import SequenceTable, ShardSequence
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, block_size: int, attention_backend: str | None,
+                 kv_cache_bytes: int):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.config = loaded.config
+        self.device = loaded.device
+        self.block_size = block_size
+        self.backend = select_backend(self.device, attention_backend)
+        self.kv_cache_bytes = kv_cache_bytes  # the shard's flag; 0 = automatic
+        self.sampler = Sampler()
+        # Until Warmup sizes it, the cache holds only the scratch block.
+        self.cache = KVCache(self.config, 0, block_size, loaded.dtype, self.device)
+        self.table = SequenceTable(block_size, 0)
+        self.warmed_up = False
+
+    # -- warmup and health -------------------------------------------------
+    def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
+        """Runs the largest prefill and decode steps on the scratch block, then
+        allocates the KV cache from the memory budget."""
+        start = time.perf_counter_ns()
+        self.table.clear()
+        self.cache = KVCache(self.config, 0, self.block_size, self.loaded.dtype, self.device)
+        prefill_tokens = max(1, request.max_batch_prefill_tokens or 4096)
+        batch_size = max(1, min(request.max_batch_size or 256, prefill_tokens))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.run_scratch(prefill_tokens, min(batch_size, 8), decode=False)
+        self.run_scratch(batch_size, batch_size, decode=True)
+        budget = request.kv_cache_bytes or self.kv_cache_bytes or kv_cache_budget(self.device)
+        per_block = KVCache.bytes_per_block(self.config, self.block_size, self.loaded.dtype)
+        num_blocks = int(max(1, budget // per_block - 1))  # one block stays the scratch block
+        self.cache = KVCache(self.config, num_blocks, self.block_size, self.loaded.dtype, self.device)
+        self.table = SequenceTable(self.block_size, num_blocks)
+        self.warmed_up = True
+        return pb.WarmupResponse(
+            num_blocks=num_blocks, block_size=self.block_size, kv_cache_bytes=self.cache.nbytes,
+            max_supported_total_tokens=num_blocks * self.block_size,
+            warmup_ns=time.perf_counter_ns() - start)
+
+    def run_scratch(self, tokens: int, seqs: int, decode: bool) -> torch.Tensor:
+        """A forward of `tokens` tokens over `seqs` sequences whose K/V lands in
+        the scratch block (slots overlap; the values are never read back
+        except by themselves); returns the logits of each sequence's last token."""
+        bs, scratch = self.block_size, self.cache.scratch_block
+        lengths = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
+        fake = []
+        for i, n in enumerate(lengths):
+            # decode: n-1 cached tokens + 1 new one, all inside the scratch block
+            computed = min(n, bs) - 1 if decode else 0
+            scheduled = 1 if decode else n
+            seq = ShardSequence(id=i, token_ids=[0] * (computed + scheduled), prompt_length=1,
+                                num_computed=computed, block_table=[scratch] * math.ceil((computed + scheduled) / bs),
+                                params=None, prefill_logprobs=False, scheduled=scheduled)
+            fake.append(seq)
+        batch = build_batch(fake, bs, self.device)
+        with torch.inference_mode():
+            hidden = self.model(batch.input_ids, self._context(batch))
+            return self.model.logits(hidden, batch.logits_rows)
+
+    def health(self) -> None:
+        """Raises when the model cannot run a one-token step."""
+        logits = self.run_scratch(1, 1, decode=False)
+        if not bool(torch.isfinite(logits).all()):
+            raise RuntimeError("the model produced non-finite logits")
+
+    # -- steps -------------------------------------------------------------
+    def step(self, request: pb.StepRequest) -> pb.StepResponse:
+        t0 = time.perf_counter_ns()
+        seqs = self.table.apply(request)
+        if not seqs:
+            return pb.StepResponse(step_id=request.step_id, timings=pb.Timings(total_ns=time.perf_counter_ns() - t0))
+        try:
+            batch = build_batch(seqs, self.block_size, self.device)
+            t1 = time.perf_counter_ns()
+            with torch.inference_mode():
+                hidden = self.model(batch.input_ids, self._context(batch))
+                logits = self.model.logits(hidden, batch.logits_rows)  # [S, vocab] float32
+                t2 = time.perf_counter_ns()
+                generations = self._generations(batch, logits)
+        except Exception:
+            # The scheduled sequences' state is now unknown: drop them so the
+            # router re-sends them in full (or releases them).
+            self.table.release([s.id for s in seqs])
+            raise
+        self.table.advance(seqs)
+        t3 = time.perf_counter_ns()
+        return pb.StepResponse(
+            step_id=request.step_id,
+            generations=[generations[s.id] for s in seqs],
+            timings=pb.Timings(prepare_ns=t1 - t0, forward_ns=t2 - t1, sample_ns=t3 - t2, total_ns=t3 - t0))
+
+    def _context(self, batch: StepBatch) -> ForwardContext:
+        return ForwardContext(
+            positions=batch.positions, slot_mapping=batch.slot_mapping,
+            num_decode_tokens=batch.num_decode_tokens, decode=batch.decode, prefill=batch.prefill,
+            kv_caches=self.cache.layers, backend=self.backend)
+
+    def _generations(self, batch: StepBatch, logits: torch.Tensor) -> dict[int, pb.Generation]:
+        sampling = [s for s in batch.seqs if s.samples]
+        out = {s.id: pb.Generation(id=s.id, num_computed_tokens=s.num_computed + s.scheduled)
+               for s in batch.seqs}
+        if sampling:
+            result = self.sampler(
+                logits[batch.sample_rows], [s.params for s in sampling],
+                [s.token_ids for s in sampling], [s.prompt_length for s in sampling])
+            for i, seq in enumerate(sampling):
+                gen = out[seq.id]
+                gen.sampled = True
+                gen.token_id = result.token_ids[i]
+                gen.logprob = result.logprobs[i]
+                gen.top_tokens.extend(pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in result.top_tokens[i])
+        with_prompt = [s for s in batch.seqs if s.prefill_logprobs and s.num_computed < s.prompt_length]
+        for seq, (first, count) in zip(with_prompt, batch.prompt_rows):
+            out[seq.id].prefill_tokens.extend(self._prompt_tokens(seq, logits[first:first + count]))
+        return out
+
+    @staticmethod
+    def _prompt_tokens(seq: ShardSequence, logits: torch.Tensor) -> list[pb.TokenLogprob]:
+        """Logits rows [n, vocab] at positions start..start+n-1 predict prompt
+        tokens start+1..; the sequence's first token has no logprob (NaN)."""
+        start = seq.num_computed
+        last = min(start + logits.shape[0], seq.prompt_length - 1)  # last predicted index
+        tokens = []
+        if start == 0:
+            tokens.append(pb.TokenLogprob(token_id=seq.token_ids[0], logprob=math.nan))
+        targets = seq.token_ids[start + 1:last + 1]
+        if targets:
+            lps = prompt_logprobs(logits[:len(targets)], torch.tensor(targets, device=logits.device))
+            tokens.extend(pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in zip(targets, lps))
+        return tokens

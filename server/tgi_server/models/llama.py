@@ -1,0 +1,82 @@
+"""The Llama family (llama, mistral, qwen2) on one flattened ragged batch.
+
+The three differ only in facts of ModelConfig: sliding windows (mistral,
+qwen2 when enabled), q/k/v biases (qwen2), tied embeddings, RoPE scaling."""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..layers.attention import Attention, ForwardContext
+from ..layers.embedding import Embedding, LMHead
+from ..layers.linear import Linear
+from ..layers.norm import RMSNorm
+from ..layers.rotary import RotaryEmbedding
+from ..weights.source import TensorSource
+from .config import ModelConfig
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate and up share one GEMM."""
+
+    def __init__(self, gate_up: Linear, down: Linear, intermediate_size: int):
+        super().__init__()
+        self.gate_up, self.down = gate_up, down
+        self.intermediate_size = intermediate_size
+
+    @classmethod
+    def load(cls, weights: TensorSource, prefix: str, config: ModelConfig) -> "MLP":
+        gate_up = Linear.load_merged(weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], config.mlp_bias)
+        down = Linear.load(weights, f"{prefix}.down_proj", config.mlp_bias)
+        return cls(gate_up, down, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, weights: TensorSource, prefix: str, layer_idx: int, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm.load(weights, f"{prefix}.input_layernorm", config.rms_norm_eps)
+        self.self_attn = Attention.load(
+            weights, f"{prefix}.self_attn", layer_idx, config.num_heads, config.num_kv_heads,
+            config.head_dim, config.sliding_windows[layer_idx], config.attention_bias)
+        self.post_attention_layernorm = RMSNorm.load(
+            weights, f"{prefix}.post_attention_layernorm", config.rms_norm_eps)
+        self.mlp = MLP.load(weights, f"{prefix}.mlp", config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """ids [T] + ForwardContext -> hidden [T, hidden]; `logits` maps chosen
+    rows of the hidden states to float32 logits [S, vocab]."""
+
+    def __init__(self, weights: TensorSource, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = Embedding.load(weights, "model.embed_tokens")
+        self.layers = nn.ModuleList(
+            DecoderLayer(weights, f"model.layers.{i}", i, config) for i in range(config.num_layers))
+        self.norm = RMSNorm.load(weights, "model.norm", config.rms_norm_eps)
+        tied = config.tie_word_embeddings or not weights.has("lm_head.weight")
+        self.lm_head = LMHead.load(weights, "lm_head", self.embed_tokens if tied else None)
+        self.rotary = RotaryEmbedding(
+            torch.tensor(config.rope_inv_freq, dtype=torch.float32, device=weights.device),
+            config.rope_attention_scaling)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(ctx.positions, x.dtype)  # [T, head_dim] each
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return x
+
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden], rows [S] int64 -> logits [S, vocab] float32.
+        The final norm is per token, so it runs on the chosen rows only."""
+        return self.lm_head(self.norm(hidden.index_select(0, rows)))

@@ -1,0 +1,111 @@
+"""Per-sequence state a shard keeps between steps, updated from the router's
+messages: new sequences arrive in full, running ones as differences."""
+
+from dataclasses import dataclass, field
+
+from tgi_proto import pb
+
+from .sampler import SamplingParams
+
+
+class StepError(ValueError):
+    """The router sent a step this shard cannot run (unknown id, missing
+    blocks, more tokens than remain); reported as INVALID_ARGUMENT."""
+
+
+@dataclass
+class ShardSequence:
+    id: int
+    token_ids: list[int]        # prompt then generated tokens, as the router knows them
+    prompt_length: int
+    num_computed: int           # tokens whose K/V is in the cache
+    block_table: list[int]
+    params: SamplingParams
+    prefill_logprobs: bool
+    scheduled: int = field(default=0)  # tokens to compute in the current step
+
+    @property
+    def samples(self) -> bool:
+        """Whether the current step reaches the last known token."""
+        return self.num_computed + self.scheduled == len(self.token_ids)
+
+
+def params_from_proto(p: pb.SamplingParameters) -> SamplingParams:
+    """Zero values mean "off" on the wire (an empty message is greedy)."""
+    return SamplingParams(
+        do_sample=p.do_sample, temperature=p.temperature or 1.0, top_k=p.top_k, top_p=p.top_p or 1.0,
+        typical_p=p.typical_p or 1.0, min_p=p.min_p, repetition_penalty=p.repetition_penalty or 1.0,
+        frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+        seed=p.seed, top_n_tokens=p.top_n_tokens)
+
+
+class SequenceTable:
+    """All live sequences of this shard, by id."""
+
+    def __init__(self, block_size: int, num_blocks: int):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self._seqs: dict[int, ShardSequence] = {}
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def release(self, ids) -> int:
+        return sum(self._seqs.pop(i, None) is not None for i in ids)
+
+    def clear(self) -> None:
+        self._seqs.clear()
+
+    def apply(self, request: pb.StepRequest) -> list[ShardSequence]:
+        """Applies releases, new sequences and deltas; returns the scheduled
+        sequences (running, then new, in request order) with `scheduled` set.
+        Validates everything before changing anything."""
+        seen: set[int] = set()
+        for r in request.running:
+            if r.id not in self._seqs or r.id in request.release_ids:
+                raise StepError(f"running sequence {r.id} is unknown to the shard")
+            seen.add(r.id)
+        for n in request.new_sequences:
+            if n.id in seen or (n.id in self._seqs and n.id not in request.release_ids):
+                raise StepError(f"sequence {n.id} is already live")
+            seen.add(n.id)
+        self.release(request.release_ids)
+        staged = [self._delta(r) for r in request.running] + [self._new(n) for n in request.new_sequences]
+        for seq, tokens, blocks, scheduled in staged:
+            self._check(seq.id, seq.num_computed, len(seq.token_ids) + len(tokens),
+                        len(seq.block_table) + len(blocks), scheduled, blocks)
+        scheduled_seqs = []
+        for seq, tokens, blocks, scheduled in staged:
+            seq.token_ids.extend(tokens)
+            seq.block_table.extend(blocks)
+            seq.scheduled = scheduled
+            self._seqs[seq.id] = seq
+            scheduled_seqs.append(seq)
+        return scheduled_seqs
+
+    def _delta(self, r: pb.RunningSequence):
+        return self._seqs[r.id], list(r.append_token_ids), list(r.new_block_ids), r.num_scheduled_tokens
+
+    def _new(self, n: pb.NewSequence):
+        seq = ShardSequence(
+            id=n.id, token_ids=[], prompt_length=n.prompt_length or len(n.token_ids),
+            num_computed=n.num_computed_tokens, block_table=[],
+            params=params_from_proto(n.parameters), prefill_logprobs=n.parameters.prefill_logprobs)
+        return seq, list(n.token_ids), list(n.block_table), n.num_scheduled_tokens
+
+    def _check(self, seq_id: int, computed: int, total: int, blocks: int, scheduled: int,
+               new_blocks: list[int]) -> None:
+        if scheduled < 1 or computed + scheduled > total:
+            raise StepError(f"sequence {seq_id}: {scheduled} tokens scheduled but "
+                            f"{total - computed} remain to compute")
+        if blocks * self.block_size < computed + scheduled:
+            raise StepError(f"sequence {seq_id}: {blocks} blocks cannot hold "
+                            f"{computed + scheduled} tokens")
+        if any(b >= self.num_blocks for b in new_blocks):
+            raise StepError(f"sequence {seq_id}: block id out of range (num_blocks={self.num_blocks})")
+
+    def advance(self, seqs: list[ShardSequence]) -> None:
+        """After a successful forward: the scheduled tokens are now cached."""
+        for seq in seqs:
+            seq.num_computed += seq.scheduled
+            seq.scheduled = 0

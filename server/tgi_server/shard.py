@@ -1,0 +1,66 @@
+"""Assembles a shard from its config: model, runner, Info; then serves it."""
+
+import asyncio
+import logging
+import os
+import signal
+
+import torch
+
+from tgi_proto import pb
+
+from .config import ShardConfig
+from .model_loader import DTYPES, default_dtype, load_model
+from .model_runner import ModelRunner
+from .service import serve
+from .weights.resolve import resolve_model
+
+log = logging.getLogger("tgi_server")
+
+
+def pick_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA device is available")
+    return device
+
+
+def load_shard(config: ShardConfig) -> tuple[ModelRunner, pb.InfoResponse]:
+    if config.num_threads > 0:
+        torch.set_num_threads(config.num_threads)
+    device = pick_device(config.device)
+    dtype = DTYPES[config.dtype] if config.dtype else default_dtype(device)
+    source = resolve_model(config.model_id, config.revision)
+    log.info("loading %s (%s) as %s on %s", source.model_id, source.path, str(dtype).removeprefix("torch."), device)
+    loaded = load_model(source, dtype, device)
+    runner = ModelRunner(loaded, config.block_size, config.attention_backend, config.kv_cache_bytes)
+    c = loaded.config
+    log.info("loaded %s: %d layers in %.1f s; attention backend %s",
+             c.model_type, c.num_layers, loaded.load_seconds, runner.backend)
+    info = pb.InfoResponse(
+        model_id=source.model_id, model_type=c.model_type, dtype=str(dtype).removeprefix("torch."),
+        device=str(device), block_size=config.block_size, max_position_embeddings=c.max_position_embeddings,
+        vocab_size=c.vocab_size, eos_token_ids=list(c.eos_token_ids), num_layers=c.num_layers,
+        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, sliding_window=max(c.sliding_windows),
+        attention_backend=runner.backend, rank=config.rank, world_size=config.world_size,
+        bos_token_id=c.bos_token_id if c.bos_token_id is not None else 0)
+    return runner, info
+
+
+async def run_shard(runner: ModelRunner, info: pb.InfoResponse, socket_path: str) -> None:
+    """Serves until SIGTERM/SIGINT, then removes the socket."""
+    if os.path.exists(socket_path):
+        os.unlink(socket_path)
+    task = asyncio.ensure_future(serve(runner, info, socket_path))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        await task
+    except asyncio.CancelledError:
+        log.info("shard %d stopping", info.rank)
+    finally:
+        if os.path.exists(socket_path):
+            os.unlink(socket_path)

@@ -1,0 +1,94 @@
+"""The scheduler and block manager, with fake shard answers (no model)."""
+
+import pytest
+
+from tgi_proto import pb
+from tgi_router.block_manager import BlockManager
+from tgi_router.scheduler import Scheduler
+from tgi_router.sequence import FinishReason, Sequence, Status, StoppingCriteria
+
+
+def seq(i: int, n: int, max_new: int = 4, stop=()) -> Sequence:
+    return Sequence(id=i, token_ids=list(range(10, 10 + n)), params=pb.SamplingParameters(),
+                    stopping=StoppingCriteria(max_new, frozenset(stop)))
+
+
+def answer(step, token: int = 7) -> pb.StepResponse:
+    """Samples `token` for every sequence whose step reaches its last token."""
+    return pb.StepResponse(generations=[
+        pb.Generation(id=s.id, sampled=s.num_computed + n == len(s.token_ids), token_id=token)
+        for s, n in step.seqs])
+
+
+def test_block_manager_allocates_and_frees():
+    bm = BlockManager(4, 16)
+    a = bm.allocate(3)
+    assert sorted(a) == [0, 1, 2] and bm.num_free == 1
+    assert bm.allocate(2) is None and bm.num_free == 1
+    bm.free(a)
+    assert bm.num_free == 4
+    with pytest.raises(ValueError):
+        bm.free([0])
+
+
+def test_running_first_then_waiting_under_budget():
+    s = Scheduler(BlockManager(64, 4), max_batch_tokens=10)
+    a, b = seq(1, 6), seq(2, 8)
+    s.add(a)
+    s.add(b)
+    step = s.schedule()
+    assert [(x.id, n) for x, n in step.seqs] == [(1, 6), (2, 4)]  # b's prompt is chunked
+    s.update(step, answer(step))
+    step = s.schedule()
+    assert [(x.id, n) for x, n in step.seqs] == [(1, 1), (2, 4)]
+    assert len(a.block_table) == 2 and len(b.block_table) == 2
+
+
+def test_deltas_carry_only_new_tokens_and_blocks():
+    s = Scheduler(BlockManager(64, 4), max_batch_tokens=64)
+    a = seq(1, 4)
+    s.add(a)
+    step = s.schedule()
+    first = s.to_request(step, 1)
+    assert len(first.new_sequences) == 1 and first.new_sequences[0].block_table == [0]
+    s.update(step, answer(step, token=99))
+    step = s.schedule()
+    second = s.to_request(step, 2)
+    assert not second.new_sequences
+    (r,) = second.running
+    assert list(r.append_token_ids) == [99] and list(r.new_block_ids) == [1] and r.num_scheduled_tokens == 1
+
+
+def test_finish_frees_blocks_and_releases_on_next_step():
+    bm = BlockManager(8, 4)
+    s = Scheduler(bm, max_batch_tokens=64)
+    a = seq(1, 5, max_new=1)
+    s.add(a)
+    step = s.schedule()
+    s.to_request(step, 1)
+    finished = s.update(step, answer(step))
+    assert finished == [a] and a.status is Status.FINISHED and a.finish_reason is FinishReason.LENGTH
+    assert bm.num_free == 8
+    assert s.schedule().release_ids == [1]
+
+
+def test_eos_stops_unless_ignored():
+    s = Scheduler(BlockManager(8, 4), max_batch_tokens=64)
+    a = seq(1, 3, max_new=10, stop=[7])
+    s.add(a)
+    step = s.schedule()
+    s.to_request(step, 1)
+    assert s.update(step, answer(step, token=7)) == [a]
+    assert a.finish_reason is FinishReason.EOS_TOKEN
+
+
+def test_waiting_sequence_waits_for_blocks_in_order():
+    bm = BlockManager(3, 4)
+    s = Scheduler(bm, max_batch_tokens=64)
+    big, small = seq(1, 12), seq(2, 2)
+    s.add(seq(3, 8))
+    s.add(big)
+    s.add(small)
+    step = s.schedule()
+    assert [x.id for x, _ in step.seqs] == [3]  # big does not fit; small may not overtake it
+    assert list(s.waiting) == [big, small]

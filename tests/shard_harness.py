@@ -1,0 +1,119 @@
+"""Test helpers: tiny random checkpoints, a shard served in-process over a
+real unix socket, and a driver that runs prompts through the router's
+scheduler to completion."""
+
+import asyncio
+import threading
+from pathlib import Path
+
+import torch
+import transformers
+
+from tgi_proto import pb
+from tgi_router.block_manager import BlockManager
+from tgi_router.client import ShardClient
+from tgi_router.engine import Engine
+from tgi_router.scheduler import Scheduler
+from tgi_router.sequence import Sequence, StoppingCriteria
+from tgi_server.config import ShardConfig
+from tgi_server.service import serve
+from tgi_server.shard import load_shard
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+TINY_EXTRA = {
+    "llama": dict(rope_theta=10000.0),
+    "mistral": dict(sliding_window=24, rope_theta=10000.0),
+    "qwen2": dict(rope_theta=10000.0, tie_word_embeddings=True),
+}
+HF_CLASSES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+}
+
+
+def save_tiny_model(model_type: str, path: Path, seed: int = 0, **overrides) -> Path:
+    """A random `model_type` checkpoint saved with save_pretrained (float32)."""
+    config_cls, model_cls = HF_CLASSES[model_type]
+    config = config_cls(**{**TINY, **TINY_EXTRA[model_type], **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    with torch.no_grad():  # random init is tiny; scale up so logits are not all ties
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+    model.save_pretrained(path)
+    return path
+
+
+def greedy(**kw) -> pb.SamplingParameters:
+    return pb.SamplingParameters(**kw)
+
+
+class InProcessShard:
+    """Serves a shard on a background event loop; `socket` is its UDS path."""
+
+    def __init__(self, tmp_path: Path, model_id: str | None, dtype: str = "float32",
+                 kv_cache_bytes: int = 64 << 20, block_size: int = 16, backend: str | None = None):
+        self.config = ShardConfig(
+            model_id=model_id, revision=None, uds_path=str(tmp_path / "shard"), dtype=dtype,
+            device="cpu", block_size=block_size, kv_cache_bytes=kv_cache_bytes,
+            attention_backend=backend, num_threads=0)
+        self.runner, self.info = load_shard(self.config)
+        self.socket = self.config.socket_path
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self):
+        asyncio.set_event_loop(self._loop)
+        ready = asyncio.Event()
+        self._task = self._loop.create_task(serve(self.runner, self.info, self.socket, ready))
+        self._loop.create_task(self._signal(ready))
+        try:
+            self._loop.run_until_complete(self._task)
+        except asyncio.CancelledError:
+            pass
+
+    async def _signal(self, ready: asyncio.Event):
+        await ready.wait()
+        self._ready.set()
+
+    def __enter__(self) -> "InProcessShard":
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("shard did not start")
+        return self
+
+    def __exit__(self, *exc):
+        self._loop.call_soon_threadsafe(self._task.cancel)
+        self._thread.join(10)
+
+
+async def run_prompts(socket: str, prompts: list[list[int]], max_new_tokens: int,
+                      params: list[pb.SamplingParameters] | None = None, stop_ids=(),
+                      max_batch_tokens: int = 4096, arrivals: list[int] | None = None,
+                      warmup_tokens: int = 256) -> list[Sequence]:
+    """Generates for every prompt in one continuous batch over gRPC.
+
+    arrivals[i] is the step at which prompt i joins (staggered arrivals)."""
+    client = ShardClient([socket], timeout=120)
+    try:
+        warm = await client.warmup(warmup_tokens, 64)
+        scheduler = Scheduler(BlockManager(warm.num_blocks, warm.block_size), max_batch_tokens)
+        engine = Engine(client, scheduler)
+        seqs = [Sequence(id=i + 1, token_ids=list(p), params=(params or [greedy()] * len(prompts))[i],
+                         stopping=StoppingCriteria(max_new_tokens, frozenset(stop_ids)))
+                for i, p in enumerate(prompts)]
+        pending = sorted(zip(arrivals or [0] * len(seqs), range(len(seqs))))
+        step = 0
+        while pending or scheduler.has_work():
+            while pending and pending[0][0] <= step:
+                scheduler.add(seqs[pending.pop(0)[1]])
+            await engine.step()
+            step += 1
+        return seqs
+    finally:
+        await client.close()
