@@ -74,4 +74,9 @@ def main(argv: list[str] | None = None) -> None:
 def _setup_logging(json_output: bool) -> None:
     fmt = ('{"time":"%(asctime)s","level":"%(levelname)s","target":"%(name)s","message":"%(message)s"}'
            if json_output else "%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(), format=fmt)
+    # Logs go to stdout; stderr carries only a fatal one-line error.
+    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(), format=fmt, stream=sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -56,8 +56,8 @@ def test_mistral_sliding_window_is_exercised(tmp_path):
     hf = HF_CLASSES["mistral"][1].from_pretrained(path, dtype=torch.float32).eval()
     prompt = list(range(3, 60))
     with InProcessShard(tmp_path, str(path)) as shard:
-        ours = engine_logits(shard.runner, prompt)
         seqs = asyncio.run(run_prompts(shard.socket, [prompt], 30))
+        ours = engine_logits(shard.runner, prompt)
     with torch.no_grad():
         theirs = hf(torch.tensor([prompt])).logits[0]
     assert (ours - theirs).abs().max().item() < 1e-4
