@@ -14,10 +14,10 @@ class KVCache:
         self.block_size = block_size
         self.scratch_block = num_blocks
         shape = (num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
-        # torch.empty: the OS backs pages on first write, so a generous CPU
-        # budget costs memory only as sequences fill it.
-        self.layers = [(torch.empty(shape, dtype=dtype, device=device),
-                        torch.empty(shape, dtype=dtype, device=device))
+        # Zeros, not empty: decode reads whole blocks and masks the unused
+        # slots, and a masked NaN still poisons the softmax-weighted sum.
+        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
+                        torch.zeros(shape, dtype=dtype, device=device))
                        for _ in range(config.num_layers)]
 
     @staticmethod

@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 
 CPU_FRACTION = 0.2          # of MemAvailable: the router, tokenizer and OS need the rest
-CPU_CAP = 8 << 30
+CPU_CAP = 4 << 30
 CUDA_FRACTION = 0.9         # of free device memory after Warmup's largest step
 
 

@@ -1,0 +1,21 @@
+"""Attention kernels over a paged KV cache, with interchangeable backends.
+
+Public API: store_kv, paged_decode, varlen_prefill, select_backend,
+available_backends, and the metadata types PrefillMeta / DecodeMeta.
+"""
+
+from .attention import available_backends, paged_decode, select_backend, varlen_prefill
+from .kv_store import store_kv
+from .metadata import DecodeMeta, PrefillMeta, build_decode_meta, build_prefill_meta
+
+__all__ = [
+    "DecodeMeta",
+    "PrefillMeta",
+    "available_backends",
+    "build_decode_meta",
+    "build_prefill_meta",
+    "paged_decode",
+    "select_backend",
+    "store_kv",
+    "varlen_prefill",
+]

@@ -1,0 +1,98 @@
+"""Attention entry points: pick a backend and call it.
+
+Backends, all with the same two functions (`paged_decode`, `varlen_prefill`):
+  reference   plain torch, one sequence at a time, float32 softmax; the test oracle
+  sdpa        torch scaled_dot_product_attention; the fast CPU path, runs anywhere
+  flash_attn  flash-attn 2 (CUDA, fp16/bf16), only when `flash_attn` imports
+
+The default is flash_attn on CUDA when available, else sdpa. The choice of a
+forced backend (env TGI_ATTENTION_BACKEND) is read by the caller, not here.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from . import flash, reference, sdpa
+from .metadata import DecodeMeta, PrefillMeta
+
+_BACKENDS: dict[str, ModuleType] = {"reference": reference, "sdpa": sdpa, "flash_attn": flash}
+
+
+def available_backends(device: torch.device) -> list[str]:
+    """Names of the backends that run on `device`, in a fixed order."""
+    names = ["reference", "sdpa"]
+    if flash.is_available(torch.device(device)):
+        names.append("flash_attn")
+    return names
+
+
+def select_backend(device: torch.device, forced: str | None = None) -> str:
+    """The backend name to use on `device`: `forced` if given, else the default.
+
+    Raises ValueError, naming the available backends, when `forced` is unknown or
+    cannot run on `device`.
+    """
+    available = available_backends(device)
+    if forced:
+        if forced not in available:
+            raise ValueError(
+                f"attention backend {forced!r} is not available on {device}; available: {', '.join(available)}"
+            )
+        return forced
+    return "flash_attn" if "flash_attn" in available else "sdpa"
+
+
+def _backend(device: torch.device, name: str | None) -> ModuleType:
+    # An explicit name is checked only for existence: the caller validates it once,
+    # through select_backend, rather than on every layer of every step.
+    if name is None:
+        return _BACKENDS[select_backend(device)]
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(_BACKENDS)}")
+    return _BACKENDS[name]
+
+
+def paged_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: DecodeMeta,
+    scale: float,
+    sliding_window: int = 0,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged context.
+
+    query [B, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D] already holding
+    the current token; H a multiple of KVH (query head h reads kv head h // (H // KVH)).
+    Query b sits at position seq_lens[b] - 1 and sees keys j with
+    seq_lens[b] - 1 - sliding_window < j <= seq_lens[b] - 1 (no lower bound when
+    sliding_window is 0). Returns out [B, H, D] in query's dtype.
+    """
+    impl = _backend(query.device, backend)
+    return impl.paged_decode(query, k_cache, v_cache, meta, scale, sliding_window)
+
+
+def varlen_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PrefillMeta,
+    scale: float,
+    sliding_window: int = 0,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Causal attention of a packed batch of chunks, each after an optional cached prefix.
+
+    query [T, H, D]; key/value [T, KVH, D] for the chunk tokens, which are also already
+    in the cache. Query token i of sequence b sits at position p = prefix_lens[b] + i
+    and sees keys j with p - sliding_window < j <= p; keys j < prefix_lens[b] are read
+    from the cache. Returns out [T, H, D] in query's dtype.
+    """
+    impl = _backend(query.device, backend)
+    return impl.varlen_prefill(query, key, value, k_cache, v_cache, meta, scale, sliding_window)

@@ -1,0 +1,25 @@
+"""Writing new keys and values into the paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write token t's key/value into slot `slot_mapping[t]` of the cache, in place.
+
+    key/value [T, KVH, D]; k_cache/v_cache [num_blocks, block_size, KVH, D], contiguous;
+    slot_mapping [T] int64 with slot = block_id * block_size + offset. Every slot must be
+    valid (no negative padding slots) and distinct. Values are cast to the cache dtype.
+    """
+    kv_heads, head_dim = k_cache.shape[2:]
+    k_flat = k_cache.view(-1, kv_heads, head_dim)  # [num_blocks * block_size, KVH, D]
+    v_flat = v_cache.view(-1, kv_heads, head_dim)
+    k_flat.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_flat.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
