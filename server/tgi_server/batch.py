@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tgi_kernels import DecodeMeta, PrefillMeta
+from tgi_kernels import DecodeMeta, PrefillMeta, build_decode_meta, build_prefill_meta
 
 from .sequences import ShardSequence
 
@@ -62,40 +62,16 @@ def build_batch(seqs: list[ShardSequence], block_size: int, device: torch.device
         positions=tensor(positions),
         slot_mapping=tensor(slots),
         num_decode_tokens=len(decodes),
-        decode=_decode_meta(decodes, block_size, tensor) if decodes else None,
-        prefill=_prefill_meta(prefills, block_size, tensor) if prefills else None,
+        decode=build_decode_meta([s.num_computed + 1 for s in decodes],
+                                 [_blocks(s, block_size) for s in decodes], device) if decodes else None,
+        prefill=build_prefill_meta([s.scheduled for s in prefills], [s.num_computed for s in prefills],
+                                   [_blocks(s, block_size) for s in prefills], device) if prefills else None,
         logits_rows=tensor(logits_rows),
         sample_rows=sample_rows,
         prompt_rows=prompt_rows,
     )
 
 
-def _block_tables(seqs: list[ShardSequence], block_size: int, tensor) -> torch.Tensor:
-    """[B, max_blocks] int32, each row the blocks covering computed + scheduled
-    tokens, padded with 0."""
-    needed = [-(-(s.num_computed + s.scheduled) // block_size) for s in seqs]
-    width = max(needed)
-    return tensor([s.block_table[:n] + [0] * (width - n) for s, n in zip(seqs, needed)], torch.int32)
-
-
-def _decode_meta(seqs: list[ShardSequence], block_size: int, tensor) -> DecodeMeta:
-    seq_lens = [s.num_computed + 1 for s in seqs]
-    return DecodeMeta(block_tables=_block_tables(seqs, block_size, tensor),
-                      seq_lens=tensor(seq_lens, torch.int32), max_seq_len=max(seq_lens))
-
-
-def _prefill_meta(seqs: list[ShardSequence], block_size: int, tensor) -> PrefillMeta:
-    query_lens = [s.scheduled for s in seqs]
-    prefix_lens = [s.num_computed for s in seqs]
-    cu = [0]
-    for n in query_lens:
-        cu.append(cu[-1] + n)
-    return PrefillMeta(
-        cu_seqlens_q=tensor(cu, torch.int32),
-        prefix_lens=tensor(prefix_lens, torch.int32),
-        block_tables=_block_tables(seqs, block_size, tensor),
-        query_lens=query_lens,
-        prefix_lens_list=prefix_lens,
-        max_query_len=max(query_lens),
-        max_seq_len=max(p + q for p, q in zip(prefix_lens, query_lens)),
-    )
+def _blocks(seq: ShardSequence, block_size: int) -> list[int]:
+    """The blocks covering the sequence's computed + scheduled tokens."""
+    return seq.block_table[:-(-(seq.num_computed + seq.scheduled) // block_size)]

@@ -49,14 +49,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
-        """x [T, hidden], cos/sin [T, head_dim] -> [T, hidden]."""
+        """x [T, hidden], cos/sin [T, 1, head_dim] (see RotaryEmbedding) -> [T, hidden]."""
         tokens = x.shape[0]
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv(x).view(tokens, heads + 2 * kv_heads, self.head_dim)
+        # q and k rotate together: [T, heads + kv_heads, head_dim]
+        qk = apply_rotary(qkv[:, :heads + kv_heads], cos, sin)
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, heads + kv_heads:]
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
 
@@ -69,4 +69,4 @@ class Attention(nn.Module):
             parts.append(varlen_prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, ctx.prefill,
                                         self.scale, self.sliding_window, ctx.backend))
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # [T, heads, head_dim]
-        return self.o_proj(out.reshape(tokens, q_size))
+        return self.o_proj(out.reshape(tokens, heads * self.head_dim))

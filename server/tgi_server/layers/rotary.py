@@ -34,15 +34,18 @@ class RotaryEmbedding:
         self.attention_scaling = attention_scaling
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos [T, 1, D], signed sin [T, 1, D]) for apply_rotary.
+
+        The sine's first half is negated so that rotate_half(x) * sin equals
+        roll(x, D/2) * signed_sin: one roll instead of a neg and a cat."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        cos = (emb.cos() * self.attention_scaling).to(dtype)
-        sin = (emb.sin() * self.attention_scaling).to(dtype)
-        return cos, sin
+        cos = (torch.cat((freqs, freqs), dim=-1).cos() * self.attention_scaling).to(dtype)
+        sin = freqs.sin() * self.attention_scaling
+        signed_sin = torch.cat((-sin, sin), dim=-1).to(dtype)
+        return cos[:, None, :], signed_sin[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D], cos/sin [T, D] -> rotated x [T, heads, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D], cos/signed_sin [T, 1, D] -> rotated x [T, heads, D]
+    (Hugging Face's x * cos + rotate_half(x) * sin)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)

@@ -1,0 +1,140 @@
+"""Engine benchmark: the shard over gRPC against transformers `generate`.
+
+SmolLM2-135M-Instruct in bf16 on 2 threads. The shard runs in its own
+process (as in production) and is driven by the router's scheduler; the
+baseline runs `generate` one request at a time (and, for reference, as one
+static batch of 32) in this process while the shard idles. Throughput is
+generated tokens over wall time, prefill included, for both sides."""
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tgi_proto import pb
+from tgi_router.block_manager import BlockManager
+from tgi_router.client import ShardClient
+from tgi_router.engine import Engine
+from tgi_router.scheduler import Scheduler
+from tgi_router.sequence import Sequence, StoppingCriteria
+
+THREADS = 2
+PROMPT_TOKENS = 128
+NEW_TOKENS = 64
+BATCHES = (1, 8, 32, 64)
+HF_SEQUENTIAL_PROMPTS = 4
+TEXT = ("The history of computing spans centuries, from the abacus to mechanical calculators, "
+        "from punched cards to vacuum tubes, transistors and integrated circuits. Each step made "
+        "machines smaller, faster and cheaper, and each opened new uses: weather forecasts, "
+        "banking, space flight, medicine, music and the web. ")
+
+
+def make_prompts(tokenizer, n: int) -> list[list[int]]:
+    """n distinct prompts of PROMPT_TOKENS tokens (rotations of one text)."""
+    ids = tokenizer(TEXT * 8)["input_ids"]
+    return [(ids[i * 7:] + ids)[:PROMPT_TOKENS] for i in range(n)]
+
+
+def hf_model(dtype: torch.dtype):
+    import transformers
+
+    from tgi_server.weights.gguf import load_gguf, load_gguf_tokenizer
+    from tgi_server.weights.resolve import default_model_path
+
+    path = default_model_path()
+    checkpoint = load_gguf(path, dtype)
+    values = dict(checkpoint.config)
+    config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+    model = transformers.LlamaForCausalLM(config).to(dtype)
+    model.load_state_dict(checkpoint.tensors, strict=False)
+    model.tie_weights()
+    return model.eval(), load_gguf_tokenizer(path), path
+
+
+def hf_throughput(model, prompts: list[list[int]]) -> float:
+    """Tokens/s of `generate` over the prompts as one static batch."""
+    ids = torch.tensor(prompts)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        elapsed = time.perf_counter() - start
+    return (out.shape[1] - ids.shape[1]) * len(prompts) / elapsed
+
+
+async def engine_throughput(client: ShardClient, warm: pb.WarmupResponse,
+                            prompts: list[list[int]]) -> tuple[float, float]:
+    """(end-to-end tokens/s, decode-only tokens/s) for all prompts at once."""
+    scheduler = Scheduler(BlockManager(warm.num_blocks, warm.block_size), max_batch_tokens=4096)
+    engine = Engine(client, scheduler)
+    for i, p in enumerate(prompts):
+        scheduler.add(Sequence(id=i + 1, token_ids=list(p), params=pb.SamplingParameters(),
+                               stopping=StoppingCriteria(NEW_TOKENS)))
+    decode_time = decode_tokens = 0.0
+    start = time.perf_counter()
+    while scheduler.has_work():
+        prefilling = bool(scheduler.waiting) or any(s.num_computed < s.prompt_length for s in scheduler.running)
+        batch = len(scheduler.running)
+        t = time.perf_counter()
+        await engine.step()
+        if not prefilling:
+            decode_time += time.perf_counter() - t
+            decode_tokens += batch
+    elapsed = time.perf_counter() - start
+    await client.clear_cache()  # the finished ids are released on the shard
+    return NEW_TOKENS * len(prompts) / elapsed, decode_tokens / max(decode_time, 1e-9)
+
+
+def start_shard(model_path: Path, socket_dir: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS))
+    return subprocess.Popen(
+        [sys.executable, "-m", "tgi_server.cli", "serve", str(model_path), "--uds-path",
+         f"{socket_dir}/shard", "--dtype", "bfloat16", "--num-threads", str(THREADS)], env=env)
+
+
+async def drive(socket: str, prompts: list[list[int]]) -> dict[int, tuple[float, float]]:
+    client = ShardClient([socket], timeout=600)
+    try:
+        await client.wait_ready(180)
+        warm = await client.warmup(4096, max(BATCHES), kv_cache_bytes=1 << 30)
+        await engine_throughput(client, warm, prompts[:2])  # first-call costs out of the way
+        return {b: await engine_throughput(client, warm, prompts[:b]) for b in BATCHES}
+    finally:
+        await client.close()
+
+
+def run() -> dict:
+    torch.set_num_threads(THREADS)
+    model, tokenizer, path = hf_model(torch.bfloat16)
+    prompts = make_prompts(tokenizer, max(BATCHES))
+    hf_throughput(model, prompts[:1])  # warm up
+    hf_seq = [hf_throughput(model, [p]) for p in prompts[:HF_SEQUENTIAL_PROMPTS]]
+    hf_b1 = sum(hf_seq) / len(hf_seq)
+    hf_b32 = hf_throughput(model, prompts[:32])
+    del model
+    with tempfile.TemporaryDirectory() as tmp:
+        shard = start_shard(path, tmp)
+        try:
+            results = asyncio.run(drive(f"{tmp}/shard-0", prompts))
+        finally:
+            shard.terminate()
+            shard.wait(30)
+    print(f"\nEngine benchmark: SmolLM2-135M bf16, {THREADS} threads, prompts {PROMPT_TOKENS} tokens, "
+          f"{NEW_TOKENS} new tokens")
+    print(f"{'':<28}{'tok/s':>10}{'decode tok/s':>14}{'vs HF seq':>11}")
+    print(f"{'transformers, sequential':<28}{hf_b1:>10.1f}{'':>14}{1.0:>11.2f}")
+    print(f"{'transformers, static b32':<28}{hf_b32:>10.1f}{'':>14}{hf_b32 / hf_b1:>11.2f}")
+    for b, (tps, dps) in results.items():
+        print(f"{'engine, batch ' + str(b):<28}{tps:>10.1f}{dps:>14.1f}{tps / hf_b1:>11.2f}")
+    out = {"hf_sequential_tok_s": round(hf_b1, 1), "hf_static_b32_tok_s": round(hf_b32, 1)}
+    for b, (tps, dps) in results.items():
+        out[f"engine_b{b}_tok_s"] = round(tps, 1)
+        out[f"engine_b{b}_decode_tok_s"] = round(dps, 1)
+    out["engine_b32_vs_hf_sequential"] = round(results[32][0] / hf_b1, 2)
+    out["engine_b1_vs_hf_b1"] = round(results[1][0] / hf_b1, 2)
+    return out
