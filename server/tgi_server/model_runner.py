@@ -1,6 +1,6 @@
 """One shard's engine: sequence state, KV cache, forward pass and sampling.
 
-Not thread-safe: the service calls it from one worker thread at a time."""
+Not thread-safe: the service calls it from one thread, one call at a time."""
 
 import math
 import time
@@ -123,8 +123,11 @@ class ModelRunner:
         out = {s.id: pb.Generation(id=s.id, num_computed_tokens=s.num_computed + s.scheduled)
                for s in batch.seqs}
         if sampling:
+            rows = batch.sample_rows
+            # Usually every logits row samples: skip a copy of [S, vocab].
+            sample_logits = logits if rows == list(range(logits.shape[0])) else logits[rows]
             result = self.sampler(
-                logits[batch.sample_rows], [s.params for s in sampling],
+                sample_logits, [s.params for s in sampling],
                 [s.token_ids for s in sampling], [s.prompt_length for s in sampling])
             for i, seq in enumerate(sampling):
                 gen = out[seq.id]

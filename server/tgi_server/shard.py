@@ -1,6 +1,7 @@
 """Assembles a shard from its config: model, runner, Info; then serves it."""
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -62,5 +63,5 @@ async def run_shard(runner: ModelRunner, info: pb.InfoResponse, socket_path: str
     except asyncio.CancelledError:
         log.info("shard %d stopping", info.rank)
     finally:
-        if os.path.exists(socket_path):
+        with contextlib.suppress(FileNotFoundError):  # grpc may have removed it
             os.unlink(socket_path)

@@ -5,6 +5,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..weights.source import TensorSource
+from .linear import Linear
 
 
 class Embedding(nn.Module):
@@ -30,13 +31,13 @@ class LMHead(nn.Module):
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
-        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.proj = Linear(weight, None)
 
     @classmethod
     def load(cls, weights: TensorSource, prefix: str, tied_to: Embedding | None) -> "LMHead":
         if tied_to is not None:
-            return cls(tied_to.weight)
+            return cls(tied_to.weight.data)
         return cls(weights.get(f"{prefix}.weight"))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+        return self.proj(hidden).float()

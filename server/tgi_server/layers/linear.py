@@ -8,14 +8,32 @@ from torch.nn import functional as F
 
 from ..weights.source import TensorSource
 
+# oneDNN repacks a plain bf16 weight into its blocked layout on every call;
+# packing once at load time made SmolLM2's linears 26% (batch 1) to 40%
+# (batch 64) faster on a 2-core AMX CPU. The hint is the batch it tunes for.
+PACK_BATCH_HINT = 32
+
+
+def _can_prepack(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
 
 class Linear(nn.Module):
-    """y = x @ weight.T + bias; weight [out, in], x [T, in] -> [T, out]."""
+    """y = x @ weight.T + bias; weight [out, in], x [T, in] -> [T, out].
+
+    bf16 weights on CPU are kept only in oneDNN's prepacked layout."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        if _can_prepack(weight):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
+            self.weight = None
+        else:
+            self.packed = None
+            self.weight = nn.Parameter(weight, requires_grad=False)
 
     @classmethod
     def load(cls, weights: TensorSource, prefix: str, bias: bool) -> "Linear":
@@ -30,6 +48,8 @@ class Linear(nn.Module):
         return cls(weight, b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
