@@ -48,6 +48,14 @@ def save_tiny_model(model_type: str, path: Path, seed: int = 0, **overrides) -> 
     return path
 
 
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
+    """transformers' greedy `generate` for one prompt; eos None: never stops early."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
 def greedy(**kw) -> pb.SamplingParameters:
     return pb.SamplingParameters(**kw)
 

@@ -9,18 +9,11 @@ import torch
 from tgi_server.batch import build_batch
 from tgi_server.sequences import ShardSequence
 
-from ..shard_harness import HF_CLASSES, InProcessShard, run_prompts, save_tiny_model
+from ..shard_harness import HF_CLASSES, InProcessShard, hf_greedy, run_prompts, save_tiny_model
 
 PROMPTS = [[1, 17, 33, 91, 5], [1, 200, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
            [1, 64], list(range(1, 40))]
 NEW_TOKENS = 48
-
-
-def hf_greedy(model, prompt: list[int], eos: int | None) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                         do_sample=False, eos_token_id=eos, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def engine_logits(runner, prompt: list[int]) -> torch.Tensor:
@@ -39,7 +32,7 @@ def engine_logits(runner, prompt: list[int]) -> torch.Tensor:
 def test_tiny_models_match_transformers(tmp_path, model_type):
     path = save_tiny_model(model_type, tmp_path / model_type)
     hf = HF_CLASSES[model_type][1].from_pretrained(path, dtype=torch.float32).eval()
-    expected = [hf_greedy(hf, p, eos=None) for p in PROMPTS]
+    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
     with InProcessShard(tmp_path, str(path)) as shard:
         seqs = asyncio.run(run_prompts(shard.socket, PROMPTS, NEW_TOKENS))
         for prompt in PROMPTS:
@@ -61,7 +54,7 @@ def test_mistral_sliding_window_is_exercised(tmp_path):
     with torch.no_grad():
         theirs = hf(torch.tensor([prompt])).logits[0]
     assert (ours - theirs).abs().max().item() < 1e-4
-    assert seqs[0].generated_ids == hf_greedy(hf, prompt, eos=None)[:30]
+    assert seqs[0].generated_ids == hf_greedy(hf, prompt, 30)
 
 
 @pytest.mark.slow
@@ -70,13 +63,13 @@ def test_smollm2_matches_transformers(tmp_path, smollm2_hf):
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
              "The three primary colors are"]
     prompts = [tokenizer(t)["input_ids"] for t in texts]
-    eos = tokenizer.eos_token_id
-    expected = [hf_greedy(hf, p, eos) for p in prompts]
+    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     with InProcessShard(tmp_path, str(gguf_path), kv_cache_bytes=256 << 20) as shard:
-        seqs = asyncio.run(run_prompts(shard.socket, prompts, NEW_TOKENS, stop_ids=[eos]))
+        seqs = asyncio.run(run_prompts(shard.socket, prompts, NEW_TOKENS))
         ours = engine_logits(shard.runner, prompts[0])
     with torch.no_grad():
         theirs = hf(torch.tensor([prompts[0]])).logits[0]
     assert (ours - theirs).abs().max().item() < 1e-4
+    assert [len(s.generated_ids) for s in seqs] == [NEW_TOKENS] * 4
     assert [s.generated_ids for s in seqs] == expected
     assert "Paris" in tokenizer.decode(seqs[0].generated_ids)

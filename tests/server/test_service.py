@@ -104,3 +104,20 @@ def test_duplicate_new_sequence_is_rejected_and_release_frees_the_id(shard):
     call(shard.socket, lambda c: c.release([3]))
     assert call(shard.socket, lambda c: c.step(step)).generations[0].sampled
     call(shard.socket, lambda c: c.clear_cache())
+
+
+def test_health_fails_when_the_model_cannot_run(tmp_path):
+    path = save_tiny_model("llama", tmp_path / "m")
+    with InProcessShard(tmp_path, str(path)) as s:
+        s.runner.model.norm.weight.data.fill_(float("nan"))
+        with pytest.raises(ShardError) as err:
+            call(s.socket, lambda c: c.health())
+    assert err.value.code is grpc.StatusCode.UNAVAILABLE
+
+
+def test_step_before_warmup_is_failed_precondition(tmp_path):
+    path = save_tiny_model("llama", tmp_path / "m")
+    with InProcessShard(tmp_path, str(path)) as s:
+        with pytest.raises(ShardError) as err:
+            call(s.socket, lambda c: c.step(pb.StepRequest(new_sequences=[new_seq(1, [1, 2], [0])])))
+    assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION
