@@ -32,7 +32,7 @@ class ModelRunner:
         self.sampler = Sampler()
         # Until Warmup sizes it, the cache holds only the scratch block.
         self.cache = KVCache(self.config, 0, block_size, loaded.dtype, self.device)
-        self.table = SequenceTable(block_size, 0)
+        self.table = SequenceTable(block_size, 0, self.config.vocab_size)
         self.warmed_up = False
 
     # -- warmup and health -------------------------------------------------
@@ -53,7 +53,7 @@ class ModelRunner:
         per_block = KVCache.bytes_per_block(self.config, self.block_size, self.loaded.dtype)
         num_blocks = int(max(1, budget // per_block - 1))  # one block stays the scratch block
         self.cache = KVCache(self.config, num_blocks, self.block_size, self.loaded.dtype, self.device)
-        self.table = SequenceTable(self.block_size, num_blocks)
+        self.table = SequenceTable(self.block_size, num_blocks, self.config.vocab_size)
         self.warmed_up = True
         return pb.WarmupResponse(
             num_blocks=num_blocks, block_size=self.block_size, kv_cache_bytes=self.cache.nbytes,

@@ -42,9 +42,10 @@ def params_from_proto(p: pb.SamplingParameters) -> SamplingParams:
 class SequenceTable:
     """All live sequences of this shard, by id."""
 
-    def __init__(self, block_size: int, num_blocks: int):
+    def __init__(self, block_size: int, num_blocks: int, vocab_size: int):
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.vocab_size = vocab_size
         self._seqs: dict[int, ShardSequence] = {}
 
     def __len__(self) -> int:
@@ -74,6 +75,9 @@ class SequenceTable:
         for seq, tokens, blocks, scheduled in staged:
             self._check(seq.id, seq.num_computed, len(seq.token_ids) + len(tokens),
                         len(seq.block_table) + len(blocks), scheduled, blocks)
+            if tokens and max(tokens) >= self.vocab_size:
+                raise StepError(f"sequence {seq.id}: token id {max(tokens)} is outside the "
+                                f"vocabulary (size {self.vocab_size})")
         scheduled_seqs = []
         for seq, tokens, blocks, scheduled in staged:
             seq.token_ids.extend(tokens)

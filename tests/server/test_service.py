@@ -86,6 +86,7 @@ def test_chunked_prefill_returns_no_token_until_the_last_chunk(shard):
     (pb.StepRequest(new_sequences=[new_seq(1, [1, 2, 3], [], 3)]), "blocks cannot hold"),
     (pb.StepRequest(new_sequences=[new_seq(1, [1, 2, 3], [0], 5)]), "remain"),
     (pb.StepRequest(new_sequences=[new_seq(1, [1, 2, 3], [10 ** 6], 3)]), "out of range"),
+    (pb.StepRequest(new_sequences=[new_seq(1, [1, 2, 256], [0], 3)]), "outside the vocabulary"),
 ])
 def test_bad_steps_are_invalid_argument(shard, request_, message):
     call(shard.socket, lambda c: c.warmup(128, 8))
