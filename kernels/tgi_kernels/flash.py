@@ -69,9 +69,10 @@ def paged_decode(
     if block_size % PAGED_BLOCK_MULTIPLE == 0:
         out = _flash().flash_attn_with_kvcache(q, k_cache, v_cache, block_table=meta.block_tables, **common)
     else:
-        num_blocks = -(-meta.max_seq_len // block_size)
-        k = sdpa.gather_blocks(k_cache, meta.block_tables, num_blocks)  # [B, L, KVH, D]
-        v = sdpa.gather_blocks(v_cache, meta.block_tables, num_blocks)  # [B, L, KVH, D]
+        ids = sdpa.decode_block_ids(meta, block_size)
+        batch = query.shape[0]
+        k = sdpa.gather_blocks(k_cache, ids, batch)  # [B, L, KVH, D]
+        v = sdpa.gather_blocks(v_cache, ids, batch)  # [B, L, KVH, D]
         out = _flash().flash_attn_with_kvcache(q, k, v, **common)  # [B, 1, H, D]
     return out.squeeze(1)
 

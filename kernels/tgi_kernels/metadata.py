@@ -7,7 +7,7 @@ layer. Tensors live on the model's device; the python copies let CPU-side code
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,9 @@ class DecodeMeta:
     block_tables: torch.Tensor  # [B, max_blocks] int32
     seq_lens: torch.Tensor  # [B] int32, context length INCLUDING the current token (already stored in cache)
     max_seq_len: int
+    # Tensors a backend derives from the fields above (gather indices, masks),
+    # built by the first layer of a step and reused by the others.
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def _pad_block_tables(block_tables: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -25,17 +25,19 @@ import torch.nn.functional as F
 from .metadata import DecodeMeta, PrefillMeta
 
 
-def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """The first `num_blocks` blocks of every sequence as one dense tensor.
-
-    cache [num_cache_blocks, block_size, KVH, D]; block_tables [B, max_blocks] int32.
-    Returns [B, num_blocks * block_size, KVH, D] (a copy, contiguous).
-    """
-    batch = block_tables.shape[0]
+def gather_blocks(cache: torch.Tensor, ids: torch.Tensor, batch: int) -> torch.Tensor:
+    """The blocks `ids` [B * num_blocks] (each sequence's first num_blocks,
+    row after row) of cache [num_cache_blocks, block_size, KVH, D] as one
+    dense tensor [B, num_blocks * block_size, KVH, D] (a copy, contiguous)."""
     _, block_size, kv_heads, head_dim = cache.shape
-    ids = block_tables[:, :num_blocks].reshape(-1)  # [B * num_blocks]
     dense = cache.index_select(0, ids)  # [B * num_blocks, block_size, KVH, D]
-    return dense.view(batch, num_blocks * block_size, kv_heads, head_dim)
+    return dense.view(batch, -1, kv_heads, head_dim)
+
+
+def decode_block_ids(meta: DecodeMeta, block_size: int) -> torch.Tensor:
+    """[B * num_blocks] block ids covering every sequence's longest context."""
+    num_blocks = -(-meta.max_seq_len // block_size)
+    return meta.block_tables[:, :num_blocks].reshape(-1)
 
 
 def paged_decode(
@@ -51,21 +53,31 @@ def paged_decode(
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     if batch == 0:
         return torch.empty_like(query)
-    num_blocks = -(-meta.max_seq_len // block_size)
-    k = gather_blocks(k_cache, meta.block_tables, num_blocks).transpose(1, 2)  # [B, KVH, L, D]
-    v = gather_blocks(v_cache, meta.block_tables, num_blocks).transpose(1, 2)  # [B, KVH, L, D]
-
-    # The query sits at position seq_len - 1 and sees keys j with seq_len - window <= j < seq_len.
-    pos = torch.arange(k.shape[2], device=query.device)  # [L]
-    seq_lens = meta.seq_lens.to(torch.int64)[:, None]  # [B, 1]
-    mask = pos[None, :] < seq_lens  # [B, L]
-    if sliding_window > 0:
-        mask &= pos[None, :] >= seq_lens - sliding_window
-
+    ids, mask = _decode_layout(meta, block_size, sliding_window)
+    k = gather_blocks(k_cache, ids, batch).transpose(1, 2)  # [B, KVH, L, D]
+    v = gather_blocks(v_cache, ids, batch).transpose(1, 2)  # [B, KVH, L, D]
     # Query heads h = kvh * G + g share KV head kvh: fold g into the query-length axis.
     q = query.reshape(batch, kv_heads, heads // kv_heads, head_dim)  # [B, KVH, G, D]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)  # [B, KVH, G, D]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, KVH, G, D]
     return out.reshape(batch, heads, head_dim)
+
+
+def _decode_layout(meta: DecodeMeta, block_size: int, sliding_window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block ids to gather [B * num_blocks], key mask [B, 1, 1, L]), built once
+    per step and window and shared by every layer through meta.derived.
+
+    The query sits at position seq_len - 1 and sees keys j with
+    seq_len - window <= j < seq_len."""
+    key = ("sdpa_decode", block_size, sliding_window)
+    if key not in meta.derived:
+        ids = decode_block_ids(meta, block_size)
+        pos = torch.arange(ids.numel() // meta.block_tables.shape[0] * block_size, device=ids.device)  # [L]
+        seq_lens = meta.seq_lens.to(torch.int64)[:, None]  # [B, 1]
+        mask = pos[None, :] < seq_lens  # [B, L]
+        if sliding_window > 0:
+            mask &= pos[None, :] >= seq_lens - sliding_window
+        meta.derived[key] = (ids, mask[:, None, None, :])
+    return meta.derived[key]
 
 
 def _read_prefix(cache: torch.Tensor, block_table: torch.Tensor, start_block: int, prefix: int) -> torch.Tensor:
