@@ -102,10 +102,11 @@ class Scheduler:
 
     @staticmethod
     def _stop_reason(seq: Sequence, token: int) -> FinishReason | None:
-        if not seq.stopping.ignore_eos and token in seq.stopping.stop_token_ids:
-            return FinishReason.EOS_TOKEN
+        """TGI's order: the length limit wins over an EOS on the last token."""
         if seq.num_generated >= seq.stopping.max_new_tokens:
             return FinishReason.LENGTH
+        if not seq.stopping.ignore_eos and token in seq.stopping.stop_token_ids:
+            return FinishReason.EOS_TOKEN
         return None
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:

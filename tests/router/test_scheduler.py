@@ -92,3 +92,13 @@ def test_waiting_sequence_waits_for_blocks_in_order():
     step = s.schedule()
     assert [x.id for x, _ in step.seqs] == [3]  # big does not fit; small may not overtake it
     assert list(s.waiting) == [big, small]
+
+
+def test_length_wins_over_eos_on_the_last_token():
+    s = Scheduler(BlockManager(8, 4), max_batch_tokens=64)
+    a = seq(1, 3, max_new=1, stop=[7])
+    s.add(a)
+    step = s.schedule()
+    s.to_request(step, 1)
+    s.update(step, answer(step, token=7))
+    assert a.finish_reason is FinishReason.LENGTH
