@@ -32,6 +32,10 @@ PROMPT_TOKENS = 128
 NEW_TOKENS = 128
 BATCHES = (1, 8, 32, 64)
 HF_SEQUENTIAL_PROMPTS = 4
+# The machines are shared and noisy: both sides report the best of repeated
+# runs (the baseline its best prompt of HF_SEQUENTIAL_PROMPTS, the engine its
+# best of REPEATS runs per batch size).
+REPEATS = 2
 TEXT = ("The history of computing spans centuries, from the abacus to mechanical calculators, "
         "from punched cards to vacuum tubes, transistors and integrated circuits. Each step made "
         "machines smaller, faster and cheaper, and each opened new uses: weather forecasts, "
@@ -107,7 +111,11 @@ async def drive(socket: str, prompts: list[list[int]]) -> dict[int, tuple[float,
         await client.wait_ready(180)
         warm = await client.warmup(4096, max(BATCHES), kv_cache_bytes=1 << 30)
         await engine_throughput(client, warm, prompts[:2])  # first-call costs out of the way
-        return {b: await engine_throughput(client, warm, prompts[:b]) for b in BATCHES}
+        results = {}
+        for b in BATCHES:
+            runs = [await engine_throughput(client, warm, prompts[:b]) for _ in range(REPEATS)]
+            results[b] = (max(r[0] for r in runs), max(r[1] for r in runs))
+        return results
     finally:
         await client.close()
 
@@ -117,9 +125,8 @@ def run() -> dict:
     model, tokenizer, path = hf_model(torch.bfloat16)
     prompts = make_prompts(tokenizer, max(BATCHES))
     hf_throughput(model, prompts[:1])  # warm up
-    hf_seq = [hf_throughput(model, [p]) for p in prompts[:HF_SEQUENTIAL_PROMPTS]]
-    hf_b1 = sum(hf_seq) / len(hf_seq)
-    hf_b32 = hf_throughput(model, prompts[:32])
+    hf_b1 = max(hf_throughput(model, [p]) for p in prompts[:HF_SEQUENTIAL_PROMPTS])
+    hf_b32 = max(hf_throughput(model, prompts[:32]) for _ in range(REPEATS))
     del model
     with tempfile.TemporaryDirectory() as tmp:
         shard = start_shard(path, tmp)

@@ -22,8 +22,9 @@ class StepBatch:
     decode: DecodeMeta | None
     prefill: PrefillMeta | None
     logits_rows: torch.Tensor    # [S] int64 rows of the flat batch whose logits are needed
-    sample_rows: list[int]       # per sampling sequence, its row in the logits [S]
-    prompt_rows: list[tuple[int, int]]  # per seq with prefill logprobs: (first logits row, count)
+    samplers: list[ShardSequence]  # sequences that sample this step, in batch order
+    sample_rows: list[int]       # per sampler, its row in the logits [S]
+    prompt_rows: list[tuple[ShardSequence, int, int]]  # (seq, first logits row, count) for prefill logprobs
 
 
 def build_batch(seqs: list[ShardSequence], block_size: int, device: torch.device) -> StepBatch:
@@ -35,7 +36,7 @@ def build_batch(seqs: list[ShardSequence], block_size: int, device: torch.device
     slots: list[int] = []
     logits_rows: list[int] = []
     sample_rows: list[int] = []
-    prompt_rows: list[tuple[int, int]] = []
+    prompt_rows: list[tuple[ShardSequence, int, int]] = []
     for seq in ordered:
         start, n = seq.num_computed, seq.scheduled
         first = len(ids)
@@ -45,7 +46,7 @@ def build_batch(seqs: list[ShardSequence], block_size: int, device: torch.device
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
         if seq.prefill_logprobs and start < seq.prompt_length:
             # logits at every computed position: row i predicts token start + i + 1
-            prompt_rows.append((len(logits_rows), n))
+            prompt_rows.append((seq, len(logits_rows), n))
             logits_rows.extend(range(first, first + n))
             if seq.samples:
                 sample_rows.append(len(logits_rows) - 1)
@@ -67,6 +68,7 @@ def build_batch(seqs: list[ShardSequence], block_size: int, device: torch.device
         prefill=build_prefill_meta([s.scheduled for s in prefills], [s.num_computed for s in prefills],
                                    [_blocks(s, block_size) for s in prefills], device) if prefills else None,
         logits_rows=tensor(logits_rows),
+        samplers=[s for s in ordered if s.samples],
         sample_rows=sample_rows,
         prompt_rows=prompt_rows,
     )

@@ -119,7 +119,7 @@ class ModelRunner:
             kv_caches=self.cache.layers, backend=self.backend)
 
     def _generations(self, batch: StepBatch, logits: torch.Tensor) -> dict[int, pb.Generation]:
-        sampling = [s for s in batch.seqs if s.samples]
+        sampling = batch.samplers
         out = {s.id: pb.Generation(id=s.id, num_computed_tokens=s.num_computed + s.scheduled)
                for s in batch.seqs}
         if sampling:
@@ -135,8 +135,7 @@ class ModelRunner:
                 gen.token_id = result.token_ids[i]
                 gen.logprob = result.logprobs[i]
                 gen.top_tokens.extend(pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in result.top_tokens[i])
-        with_prompt = [s for s in batch.seqs if s.prefill_logprobs and s.num_computed < s.prompt_length]
-        for seq, (first, count) in zip(with_prompt, batch.prompt_rows):
+        for seq, first, count in batch.prompt_rows:
             out[seq.id].prefill_tokens.extend(self._prompt_tokens(seq, logits[first:first + count]))
         return out
 
