@@ -15,6 +15,7 @@ from .model_loader import DTYPES, default_dtype, load_model
 from .model_runner import ModelRunner
 from .service import serve
 from .weights.resolve import resolve_model
+from .weights.tokenizer_export import export_tokenizer
 
 log = logging.getLogger("tgi_server")
 
@@ -36,6 +37,7 @@ def load_shard(config: ShardConfig) -> tuple[ModelRunner, pb.InfoResponse]:
     source = resolve_model(config.model_id, config.revision)
     log.info("loading %s (%s) as %s on %s", source.model_id, source.path, str(dtype).removeprefix("torch."), device)
     loaded = load_model(source, dtype, device)
+    tokenizer_json, tokenizer_config_json = export_tokenizer(source)
     runner = ModelRunner(loaded, config.block_size, config.attention_backend, config.kv_cache_bytes)
     c = loaded.config
     log.info("loaded %s: %d layers in %.1f s; attention backend %s",
@@ -46,7 +48,8 @@ def load_shard(config: ShardConfig) -> tuple[ModelRunner, pb.InfoResponse]:
         vocab_size=c.vocab_size, eos_token_ids=list(c.eos_token_ids), num_layers=c.num_layers,
         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, sliding_window=max(c.sliding_windows),
         attention_backend=runner.backend, rank=config.rank, world_size=config.world_size,
-        bos_token_id=c.bos_token_id if c.bos_token_id is not None else 0)
+        bos_token_id=c.bos_token_id if c.bos_token_id is not None else 0,
+        tokenizer_json=tokenizer_json, tokenizer_config_json=tokenizer_config_json)
     return runner, info
 
 
