@@ -103,7 +103,7 @@ class InProcessShard:
 async def run_prompts(socket: str, prompts: list[list[int]], max_new_tokens: int,
                       params: list[pb.SamplingParameters] | None = None, stop_ids=(),
                       max_batch_tokens: int = 4096, arrivals: list[int] | None = None,
-                      warmup_tokens: int = 256) -> list[Sequence]:
+                      warmup_tokens: int = 256, stats: dict | None = None) -> list[Sequence]:
     """Generates for every prompt in one continuous batch over gRPC.
 
     arrivals[i] is the step at which prompt i joins (staggered arrivals)."""
@@ -122,6 +122,8 @@ async def run_prompts(socket: str, prompts: list[list[int]], max_new_tokens: int
                 scheduler.add(seqs[pending.pop(0)[1]])
             await engine.step()
             step += 1
+        if stats is not None:
+            stats["preemptions"] = scheduler.num_preemptions
         return seqs
     finally:
         await client.close()

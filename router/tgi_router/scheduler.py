@@ -1,7 +1,9 @@
 """Continuous batching under a token budget, with no prefill or decode
 phase: each step gives running sequences their tokens first, then admits
 waiting ones while the budget and free blocks allow. A prompt longer than
-the budget left is computed in chunks over several steps."""
+the budget left is computed in chunks over several steps. When blocks run
+out, the most recently admitted sequence is preempted (its blocks freed, to
+be recomputed later from its tokens): never a crash or a stall."""
 
 from collections import deque
 from dataclasses import dataclass
@@ -19,13 +21,24 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_batch_size: int = 0):
+    """max_batch_tokens: tokens computed per step (--max-batch-prefill-tokens).
+    waiting_served_ratio / max_waiting_tokens keep TGI's meaning: while
+    sequences run, waiting ones join only when they number at least
+    ratio x running, or when max_waiting_tokens steps passed since the last
+    join."""
+
+    def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_batch_size: int = 0,
+                 waiting_served_ratio: float = 0.0, max_waiting_tokens: int = 0):
         self.blocks = blocks
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size or 1 << 30
+        self.waiting_served_ratio = waiting_served_ratio
+        self.max_waiting_tokens = max_waiting_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._to_release: list[int] = []
+        self._steps_since_join = 0
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -33,15 +46,40 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def pending_release(self) -> bool:
+        return bool(self._to_release)
+
     def schedule(self) -> ScheduledStep:
         budget = self.max_batch_tokens
         chosen: list[tuple[Sequence, int]] = []
-        for seq in self.running:
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or budget == 0 or len(chosen) >= self.max_batch_size:
+                continue  # preempted by an earlier one in this loop, or no room this step
             n = min(seq.remaining, budget)
-            if n == 0 or len(chosen) >= self.max_batch_size or not self._grow(seq, n):
-                continue  # waits for the next step (preemption comes with the router issue)
-            chosen.append((seq, n))
-            budget -= n
+            while not self._grow(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                chosen.append((seq, n))
+                budget -= n
+        if self._may_join(len(chosen)):
+            budget = self._admit(chosen, budget)
+        self._steps_since_join += 1
+        release, self._to_release = self._to_release, []
+        return ScheduledStep(chosen, release)
+
+    def _may_join(self, running: int) -> bool:
+        if not self.waiting or not running:
+            return bool(self.waiting)
+        if self._steps_since_join >= self.max_waiting_tokens:
+            return True
+        return len(self.waiting) >= int(running * self.waiting_served_ratio)
+
+    def _admit(self, chosen: list[tuple[Sequence, int]], budget: int) -> int:
+        joined = False
         while self.waiting and budget > 0 and len(chosen) < self.max_batch_size:
             seq = self.waiting[0]
             n = min(seq.remaining, budget)
@@ -52,8 +90,24 @@ class Scheduler:
             self.running.append(seq)
             chosen.append((seq, n))
             budget -= n
-        release, self._to_release = self._to_release, []
-        return ScheduledStep(chosen, release)
+            joined = True
+        if joined:
+            self._steps_since_join = 0
+        return budget
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Frees seq's blocks and puts it first in line; it is recomputed from
+        its tokens (prompt and generated so far) when blocks free up."""
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        if seq.shard_tokens:
+            self._to_release.append(seq.id)
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.shard_tokens = seq.shard_blocks = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
 
     def _grow(self, seq: Sequence, n: int) -> bool:
         """Makes seq's block table cover computed + n tokens."""

@@ -102,3 +102,39 @@ def test_length_wins_over_eos_on_the_last_token():
     s.to_request(step, 1)
     s.update(step, answer(step, token=7))
     assert a.finish_reason is FinishReason.LENGTH
+
+
+def test_preemption_frees_the_latest_and_recomputes_it_later():
+    bm = BlockManager(4, 4)
+    s = Scheduler(bm, max_batch_tokens=64)
+    a, b = seq(1, 8, max_new=20), seq(2, 8, max_new=20)
+    s.add(a)
+    s.add(b)
+    step = s.schedule()  # 2 blocks each: all 4 used
+    s.to_request(step, 1)
+    s.update(step, answer(step))  # both now 9 tokens: computing the 9th needs a third block
+    step = s.schedule()
+    assert [x.id for x, _ in step.seqs] == [1] and b.status is Status.WAITING and s.num_preemptions == 1
+    assert step.release_ids == [2] and b.num_computed == 0 and len(b.token_ids) == 9
+    req = s.to_request(step, 2)
+    s.update(step, answer(step))
+    s.finish(a, FinishReason.LENGTH)
+    step = s.schedule()
+    (new,) = s.to_request(step, 3).new_sequences
+    assert new.id == 2 and list(new.token_ids) == b.token_ids and new.prompt_length == 8
+    assert new.num_scheduled_tokens == 9 and req.running[0].id == 1
+
+
+def test_waiting_served_ratio_and_max_waiting_tokens():
+    s = Scheduler(BlockManager(64, 4), max_batch_tokens=64, waiting_served_ratio=1.0, max_waiting_tokens=3)
+    for i in range(1, 3):
+        s.add(seq(i, 2, max_new=50))
+    s.update(step := s.schedule(), answer(step))
+    s.add(seq(9, 2, max_new=50))
+    joins = []
+    for _ in range(4):
+        step = s.schedule()
+        s.update(step, answer(step))
+        joins.append(any(x.id == 9 for x, n in step.seqs if n == 2))
+    # 1 waiting < 1.0 x 2 running: it waits until 3 steps passed since the last join
+    assert joins == [False, False, True, False]

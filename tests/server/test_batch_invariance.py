@@ -57,3 +57,15 @@ def test_different_seeds_give_different_text(shard):
     a = alone(shard.socket, p, pb.SamplingParameters(do_sample=True, temperature=1.5, seed=1), 20)
     b = alone(shard.socket, p, pb.SamplingParameters(do_sample=True, temperature=1.5, seed=2), 20)
     assert a != b
+
+
+def test_preemption_under_a_small_kv_cache_changes_nothing(tmp_path, shard):
+    """40 blocks for 16 sequences that need ~90: the scheduler preempts and
+    recomputes, and every sequence still gives its tokens alone."""
+    path = save_tiny_model("llama", tmp_path / "llama", seed=1)
+    ps = prompts(16)
+    stats = {}
+    with InProcessShard(tmp_path, str(path), kv_cache_bytes=41 * 8192) as small:
+        batched = asyncio.run(run_prompts(small.socket, ps, 24, arrivals=[i % 4 for i in range(16)], stats=stats))
+    assert stats["preemptions"] > 0
+    assert [s.generated_ids for s in batched] == [alone(shard.socket, p) for p in ps]
