@@ -127,3 +127,30 @@ async def run_prompts(socket: str, prompts: list[list[int]], max_new_tokens: int
         return seqs
     finally:
         await client.close()
+
+
+def save_tiny_tokenizer(path: Path) -> None:
+    """A byte-level BPE over the 256 bytes plus <s>=256, </s>=257 (no
+    merges): every UTF-8 byte is a token, so multi-byte characters span
+    several tokens. Pair it with a model of vocab_size >= 258."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=lambda c: ord(c)))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 256)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    fast.save_pretrained(path)
+
+
+def save_tiny_served_model(path: Path, seed: int = 0) -> Path:
+    """A tiny llama with a tokenizer: what the router needs to serve text."""
+    save_tiny_model("llama", path, seed=seed, vocab_size=320, bos_token_id=256, eos_token_id=257)
+    save_tiny_tokenizer(path)
+    return path

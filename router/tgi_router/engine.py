@@ -1,16 +1,73 @@
-"""The step loop: schedule, run on the shards, apply the results."""
+"""The step loop: schedule, run on the shards, apply the results, and (when
+serving) stream each request's tokens to its route."""
 
-from .client import ShardClient
+import asyncio
+import logging
+import random
+import time
+
+from tgi_proto import pb
+
+from .client import ShardClient, ShardError
+from .request_stream import RequestStream, Timings
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import FinishReason, Sequence, StoppingCriteria
+from .tokenizer import RouterTokenizer
+from .validation import ValidGenerateRequest
+
+log = logging.getLogger("tgi_router")
 
 
 class Engine:
-    def __init__(self, client: ShardClient, scheduler: Scheduler):
+    """Owns the scheduler; one `run` task drives the shards. `submit` adds a
+    validated request and returns its stream; `cancel` ends it (its blocks
+    are freed at once and the shards drop it on the next step)."""
+
+    def __init__(self, client: ShardClient, scheduler: Scheduler, tokenizer: RouterTokenizer | None = None,
+                 eos_token_ids: tuple[int, ...] = (), metrics=None):
         self.client = client
         self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.metrics = metrics
         self.step_id = 0
+        self.healthy = True
+        self._streams: dict[int, RequestStream] = {}  # by sequence id
+        self._next_id = 0
+        self._wakeup = asyncio.Event()
 
+    # -- requests ------------------------------------------------------------
+    def submit(self, request: ValidGenerateRequest, timings: Timings) -> RequestStream:
+        stream = RequestStream(request, self.tokenizer, timings)
+        rng = random.Random(request.parameters.seed)
+        for i in range(request.best_of):
+            # best_of copies draw fresh seeds, as TGI does; the first keeps the request's
+            seed = request.parameters.seed if i == 0 else rng.getrandbits(63)
+            self._next_id += 1
+            seq = Sequence(id=self._next_id, token_ids=list(request.input_ids),
+                           params=_sampling(request, seed), stopping=StoppingCriteria(
+                               request.stopping.max_total_new_tokens, self.eos_token_ids,
+                               request.stopping.ignore_eos_token))
+            stream.sequences.append(seq)
+            self._streams[seq.id] = stream
+            self.scheduler.add(seq)
+        timings.queued = time.perf_counter()
+        self._wakeup.set()
+        return stream
+
+    def cancel(self, stream: RequestStream) -> None:
+        stream.cancelled = True
+        for seq in stream.sequences:
+            if seq.finish_reason is None:
+                self.scheduler.finish(seq, FinishReason.LENGTH)
+            self._streams.pop(seq.id, None)
+        self._wakeup.set()
+
+    @property
+    def in_flight(self) -> int:
+        return len({id(s) for s in self._streams.values()})
+
+    # -- the loop ------------------------------------------------------------
     async def step(self) -> list[Sequence]:
         """One forward on the shards; returns the sequences that finished."""
         step = self.scheduler.schedule()
@@ -18,12 +75,82 @@ class Engine:
             if step.release_ids:
                 await self.client.release(step.release_ids)
             if self.scheduler.has_work():
-                raise RuntimeError("no sequence fits in the KV cache")
+                self._fail_unschedulable()
             return []
         self.step_id += 1
+        start = time.perf_counter()
         response = await self.client.step(self.scheduler.to_request(step, self.step_id))
-        return self.scheduler.update(step, response)
+        finished = self.scheduler.update(step, response)
+        by_id = {g.id: g for g in response.generations}
+        for seq, _ in step.seqs:
+            stream = self._streams.get(seq.id)
+            if stream is not None:
+                self._deliver(stream, seq, by_id[seq.id])
+        if self.metrics is not None:
+            self._observe(step, response, time.perf_counter() - start)
+        return finished
+
+    def _deliver(self, stream: RequestStream, seq: Sequence, gen: pb.Generation) -> None:
+        event, stop_matched = stream.on_generation(seq, gen)
+        if event is None:
+            return
+        if stop_matched and seq.finish_reason is None:
+            self.scheduler.finish(seq, FinishReason.STOP_SEQUENCE)
+        stream.emit(seq, event)
+        if seq.finish_reason is not None:
+            del self._streams[seq.id]
+
+    def _fail_unschedulable(self) -> None:
+        """Nothing runs and the head of the queue cannot get its blocks: it
+        can never run (validation bounds requests by the KV cache, so this
+        only guards against a mis-sized cache)."""
+        seq = self.scheduler.waiting[0]
+        stream = self._streams.get(seq.id)
+        self.scheduler.finish(seq, FinishReason.LENGTH)
+        if stream is not None:
+            stream.fail("Request needs more KV cache than the server has")
+            self.cancel(stream)
+
+    def _observe(self, step, response: pb.StepResponse, seconds: float) -> None:
+        prefill = any(seq.num_computed - n < seq.prompt_length for seq, n in step.seqs)
+        t = response.timings
+        self.metrics.batch_step("prefill" if prefill else "decode", forward_s=t.forward_ns / 1e9,
+                                decode_s=t.sample_ns / 1e9, filter_s=0.0, inference_s=seconds,
+                                size=len(step.seqs), max_tokens=sum(len(s.token_ids) for s, _ in step.seqs))
+        bm = self.scheduler.blocks
+        self.metrics.kv_blocks(bm.num_blocks, bm.num_blocks - bm.num_free, bm.num_free)
+        self.metrics.queue_size(len(self.scheduler.waiting))
 
     async def run_until_idle(self) -> None:
         while self.scheduler.has_work():
             await self.step()
+
+    async def run_forever(self) -> None:
+        """Serves until cancelled; a shard failure fails every request in
+        flight and marks the engine unhealthy."""
+        while True:
+            if not self.scheduler.has_work() and not self.scheduler.pending_release:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            try:
+                await self.step()
+            except (ShardError, OSError) as err:
+                log.error("step failed: %s", err)
+                self.fail_all(f"Request failed during generation: Server error: {err}")
+                self.healthy = False
+                return
+            await asyncio.sleep(0)  # let routes read their events between steps
+
+    def fail_all(self, message: str) -> None:
+        for stream in {id(s): s for s in self._streams.values()}.values():
+            stream.fail(message)
+            self.cancel(stream)
+
+
+def _sampling(request: ValidGenerateRequest, seed: int) -> pb.SamplingParameters:
+    p = request.parameters
+    return pb.SamplingParameters(
+        do_sample=p.do_sample, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+        typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
+        frequency_penalty=p.frequency_penalty, seed=seed, top_n_tokens=request.top_n_tokens,
+        prefill_logprobs=request.decoder_input_details)

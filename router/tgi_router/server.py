@@ -1,0 +1,122 @@
+"""Runs the router: connects to the shards, warms them up, derives the
+limits, and serves HTTP until shutdown, draining in-flight requests."""
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from importlib.metadata import PackageNotFoundError, version
+
+import uvicorn
+
+from . import protocol as p
+from .api import ApiSettings, ServerState, create_app
+from .block_manager import BlockManager
+from .client import ShardClient, ShardError
+from .config import RouterConfig, prefill_tokens, resolve_limits
+from .engine import Engine
+from .metrics import Metrics
+from .scheduler import Scheduler
+from .tokenizer import RouterTokenizer
+from .validation import ValidationLimits
+
+log = logging.getLogger("tgi_router")
+SHARD_FAILURE_GRACE = 10.0  # seconds /health answers 503 after a shard died, before exiting
+
+
+async def serve_router(config: RouterConfig, shard_failed: asyncio.Event, shutdown: asyncio.Event) -> int:
+    """Serves until `shutdown` (exit 0 once drained) or a shard failure
+    (in-flight requests fail, /health turns 503, exit 1)."""
+    client = ShardClient.for_shards(config.shard_uds_path, config.num_shard)
+    try:
+        engine, app, state, metrics = await _build(config, client)
+    except ShardError as err:
+        log.error("shards failed during warmup: %s", err)
+        await client.close()
+        return 1
+    server = uvicorn.Server(uvicorn.Config(app, host=config.hostname, port=config.port, log_level="warning",
+                                           lifespan="off", timeout_graceful_shutdown=1))
+    server.install_signal_handlers = lambda: None  # the launcher owns signals
+    serving = asyncio.ensure_future(server.serve())
+    stepping = asyncio.ensure_future(engine.run_forever())
+    log.info("router listening on http://%s:%d", config.hostname, config.port)
+    stops = {asyncio.ensure_future(shutdown.wait()), asyncio.ensure_future(shard_failed.wait())}
+    await asyncio.wait(stops | {serving, stepping}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if shard_failed.is_set() or stepping.done() or not engine.healthy:
+        code = 1
+        engine.healthy = False
+        engine.fail_all("Request failed during generation: Server error: a shard stopped")
+        log.error("a shard failed: in-flight requests failed, /health answers 503")
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(shutdown.wait(), SHARD_FAILURE_GRACE)
+    else:
+        await _drain(state, config.graceful_termination_timeout)
+    server.should_exit = True
+    for task in (*stops, stepping):
+        task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await serving
+    await client.close()
+    return code
+
+
+async def _drain(state: ServerState, grace: float) -> None:
+    """Refuses new requests and waits for the ones in flight, up to `grace`."""
+    state.draining = True
+    deadline = time.monotonic() + grace
+    while state.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    log.info("drained (%d requests still in flight)", state.in_flight)
+
+
+async def _build(config: RouterConfig, client: ShardClient):
+    await client.wait_ready(60)
+    info = await client.info()
+    tokenizer = RouterTokenizer(info.tokenizer_json, _tokenizer_config(info, config))
+    warm = await client.warmup(prefill_tokens(config, info.max_position_embeddings),
+                               config.max_batch_size or 0, config.kv_cache_bytes)
+    limits = resolve_limits(config, info.max_position_embeddings, warm.max_supported_total_tokens)
+    log.info("warmed up: %d KV blocks of %d tokens; max_input_tokens=%d max_total_tokens=%d "
+             "max_batch_prefill_tokens=%d max_batch_total_tokens=%d", warm.num_blocks, warm.block_size,
+             limits.max_input_tokens, limits.max_total_tokens, limits.max_batch_prefill_tokens,
+             limits.max_batch_total_tokens)
+    metrics = Metrics(limits.max_input_tokens, limits.max_total_tokens)
+    metrics.max_total_tokens(limits.max_batch_total_tokens)
+    metrics.kv_blocks(warm.num_blocks, 0, warm.num_blocks)
+    scheduler = Scheduler(BlockManager(warm.num_blocks, warm.block_size), limits.max_batch_prefill_tokens,
+                          config.max_batch_size or 0, config.waiting_served_ratio, config.max_waiting_tokens)
+    engine = Engine(client, scheduler, tokenizer, tuple(info.eos_token_ids), metrics)
+    settings = ApiSettings(
+        info=p.Info(model_id=info.model_id, max_concurrent_requests=config.max_concurrent_requests,
+                    max_best_of=config.max_best_of, max_stop_sequences=config.max_stop_sequences,
+                    max_input_tokens=limits.max_input_tokens, max_total_tokens=limits.max_total_tokens,
+                    validation_workers=1, max_client_batch_size=4, version=_version()),
+        limits=ValidationLimits(max_input_tokens=limits.max_input_tokens, max_total_tokens=limits.max_total_tokens,
+                                max_best_of=config.max_best_of, max_stop_sequences=config.max_stop_sequences,
+                                max_top_n_tokens=config.max_top_n_tokens, disable_grammar_support=True),
+        max_concurrent_requests=config.max_concurrent_requests, api_key=config.api_key,
+        cors_allow_origin=tuple(config.cors_allow_origin), payload_limit=config.payload_limit,
+        compute_type="gpu+optimized" if info.device.startswith("cuda") else "cpu")
+    state = ServerState()
+    return engine, create_app(engine, settings, metrics, state), state, metrics
+
+
+def _tokenizer_config(info, config: RouterConfig) -> str:
+    """The shard's tokenizer config, with --tokenizer-config-path's chat
+    template (and special tokens) taking precedence."""
+    if not config.tokenizer_config_path:
+        return info.tokenizer_config_json
+    merged = json.loads(info.tokenizer_config_json or "{}")
+    with open(config.tokenizer_config_path) as f:
+        override = json.load(f)
+    merged.update({k: override[k] for k in ("chat_template", "bos_token", "eos_token") if k in override})
+    return json.dumps(merged)
+
+
+def _version() -> str:
+    try:
+        return version("tgi-py")
+    except PackageNotFoundError:
+        return "0.0.0"

@@ -1,0 +1,66 @@
+"""An in-process server for HTTP tests: a shard on a background loop and
+the router (serve_router) on another, on a free loopback port."""
+
+import asyncio
+import socket
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+
+from tgi_router.config import RouterConfig
+from tgi_router.server import serve_router
+
+from ..shard_harness import InProcessShard
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    """`url` serves the model at `model_path`; `shard` is the in-process shard."""
+
+    def __init__(self, tmp_path: Path, model_path: str, **config):
+        self.shard = InProcessShard(tmp_path, model_path, kv_cache_bytes=config.pop("kv_cache_bytes", 16 << 20))
+        port = free_port()
+        self.config = replace(RouterConfig(), model_id=model_path, hostname="127.0.0.1", port=port,
+                              shard_uds_path=self.shard.config.uds_path, **config)
+        self.url = f"http://127.0.0.1:{port}"
+        self.exit_code: int | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        asyncio.set_event_loop(self._loop)
+        self.shutdown, self.shard_failed = asyncio.Event(), asyncio.Event()
+        self.exit_code = self._loop.run_until_complete(serve_router(self.config, self.shard_failed, self.shutdown))
+
+    def __enter__(self) -> "RunningServer":
+        self.shard.__enter__()
+        self._thread.start()
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if not self._thread.is_alive():
+                break
+            time.sleep(0.1)
+        raise RuntimeError("router did not become healthy")
+
+    def stop(self) -> int | None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self.shutdown.set)
+            self._thread.join(30)
+        return self.exit_code
+
+    def __exit__(self, *exc):
+        self.stop()
+        self.shard.__exit__(*exc)
