@@ -15,7 +15,7 @@ from .router_harness import RunningServer
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("http")
     path = save_tiny_served_model(tmp / "tiny")
-    with RunningServer(tmp, str(path), max_concurrent_requests=8, max_total_tokens=256,
+    with RunningServer(tmp, str(path), max_concurrent_requests=128, max_total_tokens=256,
                        max_input_tokens=200) as s:
         yield s
 
@@ -152,8 +152,8 @@ def test_disconnected_stream_returns_its_blocks(server):
     assert float(free[0].split()[1]) == free_before
 
 
-def test_concurrent_greedy_requests_match_alone(server):
-    prompts = [f"prompt number {i}" for i in range(8)]
+def test_64_concurrent_greedy_requests_match_alone(server):
+    prompts = [f"prompt number {i}" for i in range(64)]
     alone = [post(server, "/generate", {"inputs": q, "parameters": GREEDY}).json()["generated_text"]
              for q in prompts]
 
