@@ -4,7 +4,7 @@ merging every benchmark's keys."""
 import argparse
 import json
 
-BENCHES = ("engine",)
+BENCHES = ("engine", "http")
 
 
 def main() -> None:

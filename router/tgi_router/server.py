@@ -35,9 +35,8 @@ async def serve_router(config: RouterConfig, shard_failed: asyncio.Event, shutdo
         log.error("shards failed during warmup: %s", err)
         await client.close()
         return 1
-    server = uvicorn.Server(uvicorn.Config(app, host=config.hostname, port=config.port, log_level="warning",
-                                           lifespan="off", timeout_graceful_shutdown=1))
-    server.install_signal_handlers = lambda: None  # the launcher owns signals
+    server = _Server(uvicorn.Config(app, host=config.hostname, port=config.port, log_level="warning",
+                                    lifespan="off", timeout_graceful_shutdown=1))
     serving = asyncio.ensure_future(server.serve())
     stepping = asyncio.ensure_future(engine.run_forever())
     log.info("router listening on http://%s:%d", config.hostname, config.port)
@@ -60,6 +59,14 @@ async def serve_router(config: RouterConfig, shard_failed: asyncio.Event, shutdo
         await serving
     await client.close()
     return code
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # The launcher owns SIGTERM/SIGINT and drains before stopping uvicorn;
+        # uvicorn's own capture would re-raise them when it exits.
+        yield
 
 
 async def _drain(state: ServerState, grace: float) -> None:

@@ -1,0 +1,143 @@
+"""HTTP load benchmark: N streaming requests at concurrency C against the
+real launcher (SmolLM2, bf16, 2 threads), with the transformers
+one-at-a-time baseline and the engine's own batch-1 speed (shard over gRPC,
+no router) measured in the same run."""
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import torch
+
+from . import engine as engine_bench
+
+LOADS = ((1, 4), (32, 64))  # (concurrency, requests)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _one(client: httpx.AsyncClient, url: str, prompt: str) -> dict:
+    """One streaming request: token arrival times (and an error, if any)."""
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": engine_bench.NEW_TOKENS, "do_sample": False,
+                                             "stop": []}}
+    start = time.perf_counter()
+    times, error = [], None
+    async with client.stream("POST", url + "/generate_stream", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data:"):
+                event = json.loads(line[5:])
+                if "error" in event:
+                    error = event["error"]
+                    break
+                times.append(time.perf_counter() - start)
+    return {"times": times, "error": error or (None if r.status_code == 200 else r.status_code)}
+
+
+async def load(url: str, prompts: list[str], concurrency: int) -> dict:
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def run(p):
+            async with sem:
+                return await _one(client, url, p)
+        start = time.perf_counter()
+        results = await asyncio.gather(*(run(p) for p in prompts))
+        elapsed = time.perf_counter() - start
+    tokens = sum(len(r["times"]) for r in results)
+    ttft = sorted(r["times"][0] for r in results if r["times"])
+    itl = sorted(b - a for r in results for a, b in zip(r["times"], r["times"][1:]))
+
+    def pct(values, q):
+        return values[min(len(values) - 1, int(q * len(values)))] * 1000 if values else float("nan")
+    return {"tok_s": tokens / elapsed, "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
+            "itl_p50_ms": pct(itl, 0.5), "itl_p99_ms": pct(itl, 0.99),
+            "errors": sum(r["error"] is not None for r in results)}
+
+
+def _launch(port: int, tmp: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS=str(engine_bench.THREADS))
+    return subprocess.Popen(
+        [sys.executable, "-m", "tgi_router.launcher", "--port", str(port), "--hostname", "127.0.0.1",
+         "--shard-uds-path", f"{tmp}/shard", "--dtype", "bfloat16", "--num-threads", str(engine_bench.THREADS),
+         "--kv-cache-bytes", str(1 << 30), "--max-concurrent-requests", "256"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("the server did not become healthy")
+
+
+def run() -> dict:
+    torch.set_num_threads(engine_bench.THREADS)
+    model, tokenizer, path = engine_bench.hf_model(torch.bfloat16)
+    prompt_ids = engine_bench.make_prompts(tokenizer, max(n for _, n in LOADS))
+    prompts = [tokenizer.decode(p) for p in prompt_ids]
+    engine_bench.hf_throughput(model, prompt_ids[:1])
+    hf_b1 = max(engine_bench.hf_throughput(model, [p]) for p in prompt_ids[:engine_bench.HF_SEQUENTIAL_PROMPTS])
+    del model
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = _launch(port, tmp)
+        try:
+            _wait_healthy(url, proc)
+            asyncio.run(load(url, prompts[:2], 2))  # warm up
+            for c, n in LOADS:
+                runs = [asyncio.run(load(url, prompts[:n], c)) for _ in range(engine_bench.REPEATS)]
+                results[c] = max(runs, key=lambda r: r["tok_s"])
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        shard = engine_bench.start_shard(path, tmp)
+        try:
+            engine_b1 = asyncio.run(_engine_b1(f"{tmp}/shard-0", prompt_ids[:1]))
+        finally:
+            shard.terminate()
+            shard.wait(30)
+    print(f"\nHTTP benchmark: SmolLM2-135M bf16, {engine_bench.THREADS} threads, prompts "
+          f"{engine_bench.PROMPT_TOKENS} tokens, {engine_bench.NEW_TOKENS} new tokens, /generate_stream")
+    print(f"{'':<26}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'errors':>8}")
+    print(f"{'transformers, sequential':<26}{hf_b1:>8.1f}")
+    print(f"{'engine over gRPC, b1':<26}{engine_b1:>8.1f}")
+    for c, r in results.items():
+        print(f"{'http, concurrency ' + str(c):<26}{r['tok_s']:>8.1f}{r['ttft_p50_ms']:>10.0f}{r['ttft_p99_ms']:>10.0f}"
+              f"{r['itl_p50_ms']:>9.1f}{r['itl_p99_ms']:>9.1f}{r['errors']:>8}")
+    out = {"http_hf_sequential_tok_s": round(hf_b1, 1), "http_engine_b1_tok_s": round(engine_b1, 1)}
+    for c, r in results.items():
+        out.update({f"http_c{c}_{k}": round(v, 1) for k, v in r.items()})
+    out["http_c32_vs_hf_sequential"] = round(results[32]["tok_s"] / hf_b1, 2)
+    out["http_c1_vs_engine_b1"] = round(results[1]["tok_s"] / engine_b1, 2)
+    return out
+
+
+async def _engine_b1(socket_path: str, prompts: list[list[int]]) -> float:
+    """End-to-end tokens/s of one request at a time straight over gRPC."""
+    from tgi_router.client import ShardClient
+
+    client = ShardClient([socket_path], timeout=600)
+    try:
+        await client.wait_ready(180)
+        warm = await client.warmup(4096, 64, kv_cache_bytes=1 << 30)
+        await engine_bench.engine_throughput(client, warm, prompts)
+        return max([(await engine_bench.engine_throughput(client, warm, prompts))[0]
+                    for _ in range(engine_bench.REPEATS)])
+    finally:
+        await client.close()

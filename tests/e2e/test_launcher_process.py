@@ -1,0 +1,86 @@
+"""The real launcher as users start it: flags, SIGTERM drain, and a shard
+that dies under load."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from ..shard_harness import save_tiny_served_model
+from .router_harness import free_port
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(save_tiny_served_model(tmp_path_factory.mktemp("launch") / "tiny", eos_token_id=None))
+
+
+def launch(model: str, tmp_path, *flags) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tgi_router.launcher", "--model-id", model, "--port", str(port),
+         "--hostname", "127.0.0.1", "--shard-uds-path", str(tmp_path / "shard"), "--kv-cache-bytes", "16MiB",
+         "--max-total-tokens", "1024", "--max-input-tokens", "512", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"launcher did not start: {proc.stdout.read()}")
+
+
+def shard_pid(proc: subprocess.Popen) -> int:
+    out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    return int(out[0])
+
+
+def test_bad_flag_is_one_line_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "tgi_router.launcher", "--max-input-tokens", "10",
+                        "--max-total-tokens", "5"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(model, tmp_path):
+    proc, url = launch(model, tmp_path)
+    result = {}
+
+    def request():
+        result["r"] = httpx.post(url + "/generate", json={"inputs": "Hello", "parameters": {
+            "max_new_tokens": 400, "stop": []}}, timeout=60)
+    t = threading.Thread(target=request)
+    t.start()
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    assert proc.wait(60) == 0
+    assert result["r"].status_code == 200
+
+
+def test_killed_shard_fails_requests_turns_health_503_and_exits_nonzero(model, tmp_path):
+    proc, url = launch(model, tmp_path)
+    events = []
+
+    def stream():
+        with httpx.stream("POST", url + "/generate_stream", json={"inputs": "Hello", "parameters": {
+                "max_new_tokens": 900}}, timeout=60) as r:
+            events.extend(line for line in r.iter_lines() if line.startswith("data:"))
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(0.5)
+    killed = time.time()
+    os.kill(shard_pid(proc), signal.SIGKILL)
+    t.join(10)
+    assert not t.is_alive() and time.time() - killed < 5
+    assert '"error_type"' in events[-1]
+    assert httpx.get(url + "/health", timeout=5).status_code == 503
+    assert proc.wait(60) != 0
