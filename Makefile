@@ -25,8 +25,9 @@ $(STAMP): pyproject.toml $(BIN)/python
 
 install: $(STAMP)
 
+# Port 8080, so that the curl examples of TGI's documentation work as written.
 serve: install
-	$(BIN)/text-generation-server serve $(MODEL) --uds-path /tmp/tgi-shard
+	$(BIN)/text-generation-launcher --port $(PORT) $(if $(MODEL),--model-id $(MODEL))
 
 test: install
 	$(BIN)/python -m pytest -q tests

@@ -36,7 +36,7 @@ async def serve_router(config: RouterConfig, shard_failed: asyncio.Event, shutdo
         await client.close()
         return 1
     server = _Server(uvicorn.Config(app, host=config.hostname, port=config.port, log_level="warning",
-                                    lifespan="off", timeout_graceful_shutdown=1))
+                                    log_config=None, lifespan="off", timeout_graceful_shutdown=1))
     serving = asyncio.ensure_future(server.serve())
     stepping = asyncio.ensure_future(engine.run_forever())
     log.info("router listening on http://%s:%d", config.hostname, config.port)
