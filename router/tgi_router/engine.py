@@ -79,7 +79,12 @@ class Engine:
             return []
         self.step_id += 1
         start = time.perf_counter()
-        response = await self.client.step(self.scheduler.to_request(step, self.step_id))
+        request = self.scheduler.to_request(step, self.step_id)
+        if self.metrics is not None and request.new_sequences:
+            self.metrics.next_batch(len(request.new_sequences))
+            if self.scheduler.join_reason is not None:
+                self.metrics.batch_concat(self.scheduler.join_reason)
+        response = await self.client.step(request)
         finished = self.scheduler.update(step, response)
         by_id = {g.id: g for g in response.generations}
         for seq, _ in step.seqs:

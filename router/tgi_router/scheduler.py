@@ -39,6 +39,9 @@ class Scheduler:
         self._to_release: list[int] = []
         self._steps_since_join = 0
         self.num_preemptions = 0
+        # Why the last step's newcomers joined running sequences (TGI's
+        # tgi_batch_concat reasons), or None when they started a batch.
+        self.join_reason: str | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -72,10 +75,13 @@ class Scheduler:
         return ScheduledStep(chosen, release)
 
     def _may_join(self, running: int) -> bool:
+        self.join_reason = None
         if not self.waiting or not running:
             return bool(self.waiting)
         if self._steps_since_join >= self.max_waiting_tokens:
+            self.join_reason = "wait_exceeded"
             return True
+        self.join_reason = "backpressure"
         return len(self.waiting) >= int(running * self.waiting_served_ratio)
 
     def _admit(self, chosen: list[tuple[Sequence, int]], budget: int) -> int:
