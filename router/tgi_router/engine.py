@@ -72,10 +72,13 @@ class Engine:
         """One forward on the shards; returns the sequences that finished."""
         step = self.scheduler.schedule()
         if not step.seqs:
+            # Work that the scheduler could not place now can never run; decide
+            # before awaiting, while requests arriving meanwhile cannot count.
+            stuck = self.scheduler.has_work()
+            if stuck:
+                self._fail_unschedulable()
             if step.release_ids:
                 await self.client.release(step.release_ids)
-            if self.scheduler.has_work():
-                self._fail_unschedulable()
             return []
         self.step_id += 1
         start = time.perf_counter()

@@ -36,8 +36,13 @@ def test_text_generation_client(server):
     assert streamed[-1].details.generated_tokens == len(streamed)
 
 
-def test_huggingface_hub_inference_client(server):
+def test_huggingface_hub_inference_client(server, monkeypatch):
+    import huggingface_hub.constants
     from huggingface_hub import InferenceClient
+
+    # CI sets HF_HUB_OFFLINE=1 (no downloads), which also stops the client
+    # from calling a local server; a user's InferenceClient is online.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
 
     client = InferenceClient(base_url=server.url)
     text = client.text_generation("Hello", max_new_tokens=8)
