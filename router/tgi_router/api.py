@@ -92,7 +92,7 @@ def create_app(engine: Engine, settings: ApiSettings, metrics, state: ServerStat
         metrics.request_validated(valid.input_length, valid.stopping.max_total_new_tokens)
         return engine.submit(valid, timings), timings
 
-    async def generate(request: Request, body: p.GenerateRequest, full_text_default: bool = False):
+    async def generate(request: Request, body: p.GenerateRequest) -> RequestStream:
         stream, timings = await admit(request, body, stream=False)
         watcher = asyncio.ensure_future(_watch_disconnect(request))
         try:

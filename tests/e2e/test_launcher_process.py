@@ -20,10 +20,12 @@ def model(tmp_path_factory):
     return str(save_tiny_served_model(tmp_path_factory.mktemp("launch") / "tiny", eos_token_id=None))
 
 
-def launch(model: str, tmp_path, *flags) -> tuple[subprocess.Popen, str]:
+def launch(model: str | None, tmp_path, *flags) -> tuple[subprocess.Popen, str]:
+    """model None: the default model (SmolLM2-135M-Instruct)."""
     port = free_port()
+    model_flags = ["--model-id", model] if model else []
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tgi_router.launcher", "--model-id", model, "--port", str(port),
+        [sys.executable, "-m", "tgi_router.launcher", *model_flags, "--port", str(port),
          "--hostname", "127.0.0.1", "--shard-uds-path", str(tmp_path / "shard"), "--kv-cache-bytes", "16MiB",
          "--max-total-tokens", "1024", "--max-input-tokens", "512", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -84,3 +86,23 @@ def test_killed_shard_fails_requests_turns_health_503_and_exits_nonzero(model, t
     assert '"error_type"' in events[-1]
     assert httpx.get(url + "/health", timeout=5).status_code == 503
     assert proc.wait(60) != 0
+
+
+@pytest.mark.slow
+def test_default_model_answers_with_real_text(tmp_path):
+    """SmolLM2 through the whole stack: launcher, router, shard."""
+    proc, url = launch(None, tmp_path, "--num-threads", "2", "--kv-cache-bytes", "64MiB")
+    try:
+        prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+        r = httpx.post(url + "/generate", json={"inputs": prompt, "parameters": {
+            "max_new_tokens": 20, "details": True}}, timeout=120)
+        assert r.status_code == 200 and "Paris" in r.json()["generated_text"]
+        assert r.json()["details"]["finish_reason"] == "eos_token"
+        events = []
+        with httpx.stream("POST", url + "/generate_stream", json={"inputs": prompt, "parameters": {
+                "max_new_tokens": 20}}, timeout=120) as s:
+            events = [line for line in s.iter_lines() if line.startswith("data:")]
+        assert "Paris" in events[-1]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
