@@ -35,6 +35,7 @@ class Engine:
         self._streams: dict[int, RequestStream] = {}  # by sequence id
         self._next_id = 0
         self._wakeup = asyncio.Event()
+        self._pending: tuple | None = None  # the last step and its response, not yet delivered
 
     # -- requests ------------------------------------------------------------
     def submit(self, request: ValidGenerateRequest, timings: Timings) -> RequestStream:
@@ -69,16 +70,22 @@ class Engine:
 
     # -- the loop ------------------------------------------------------------
     async def step(self) -> list[Sequence]:
-        """One forward on the shards; returns the sequences that finished."""
+        """One forward on the shards; returns the sequences that finished.
+
+        The previous step's tokens are turned into text and events while
+        this step runs on the shards (router work overlaps the forward). A
+        stop string therefore ends its sequence one step late: the extra
+        token is computed and dropped."""
         step = self.scheduler.schedule()
         if not step.seqs:
+            self._deliver_pending()
             # Work that the scheduler could not place now can never run; decide
             # before awaiting, while requests arriving meanwhile cannot count.
-            stuck = self.scheduler.has_work()
-            if stuck:
+            if self.scheduler.has_work():
                 self._fail_unschedulable()
-            if step.release_ids:
-                await self.client.release(step.release_ids)
+            release = step.release_ids + self.scheduler.take_releases()
+            if release:
+                await self.client.release(release)
             return []
         self.step_id += 1
         start = time.perf_counter()
@@ -87,16 +94,27 @@ class Engine:
             self.metrics.next_batch(len(request.new_sequences))
             if self.scheduler.join_reason is not None:
                 self.metrics.batch_concat(self.scheduler.join_reason)
-        response = await self.client.step(request)
+        call = asyncio.ensure_future(self.client.step(request))
+        try:
+            self._deliver_pending()
+        finally:
+            response = await call
         finished = self.scheduler.update(step, response)
+        self._pending = (step, response)
+        if self.metrics is not None:
+            self._observe(step, response, time.perf_counter() - start)
+        return finished
+
+    def _deliver_pending(self) -> None:
+        if self._pending is None:
+            return
+        step, response = self._pending
+        self._pending = None
         by_id = {g.id: g for g in response.generations}
         for seq, _ in step.seqs:
             stream = self._streams.get(seq.id)
             if stream is not None:
                 self._deliver(stream, seq, by_id[seq.id])
-        if self.metrics is not None:
-            self._observe(step, response, time.perf_counter() - start)
-        return finished
 
     def _deliver(self, stream: RequestStream, seq: Sequence, gen: pb.Generation) -> None:
         event, stop_matched = stream.on_generation(seq, gen)
@@ -137,7 +155,7 @@ class Engine:
         """Serves until cancelled; a shard failure fails every request in
         flight and marks the engine unhealthy."""
         while True:
-            if not self.scheduler.has_work() and not self.scheduler.pending_release:
+            if not self.scheduler.has_work() and not self.scheduler.pending_release and self._pending is None:
                 self._wakeup.clear()
                 await self._wakeup.wait()
             try:

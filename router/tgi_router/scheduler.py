@@ -71,8 +71,12 @@ class Scheduler:
         if self._may_join(len(chosen)):
             budget = self._admit(chosen, budget)
         self._steps_since_join += 1
+        return ScheduledStep(chosen, self.take_releases())
+
+    def take_releases(self) -> list[int]:
+        """Ids the shards must drop, handed out once."""
         release, self._to_release = self._to_release, []
-        return ScheduledStep(chosen, release)
+        return release
 
     def _may_join(self, running: int) -> bool:
         self.join_reason = None
