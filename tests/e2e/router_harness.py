@@ -1,8 +1,11 @@
-"""An in-process server for HTTP tests: a shard on a background loop and
-the router (serve_router) on another, on a free loopback port."""
+"""Servers for HTTP tests on a free loopback port: the real launcher as a
+process (`launch`), or in-process (`RunningServer`: a shard on a background
+loop and serve_router on another) where a test needs to reach inside."""
 
 import asyncio
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -65,3 +68,24 @@ class RunningServer:
     def __exit__(self, *exc):
         self.stop()
         self.shard.__exit__(*exc)
+
+
+def launch(model: str | None, tmp_path, *flags) -> tuple[subprocess.Popen, str]:
+    """model None: the default model (SmolLM2-135M-Instruct)."""
+    port = free_port()
+    model_flags = ["--model-id", model] if model else []
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tgi_router.launcher", *model_flags, "--port", str(port),
+         "--hostname", "127.0.0.1", "--shard-uds-path", str(tmp_path / "shard"), "--kv-cache-bytes", "16MiB",
+         "--max-total-tokens", "1024", "--max-input-tokens", "512", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"launcher did not start: {proc.stdout.read()}")

@@ -1,23 +1,30 @@
-"""TGI's HTTP API end to end over loopback, on a tiny random llama with a
-byte-level tokenizer, against the real router and a real shard."""
+"""TGI's HTTP API end to end over loopback: the real launcher process (its
+router and shard) serving a tiny random llama with a byte-level tokenizer."""
 
 import asyncio
 import json
+import signal
 
 import httpx
 import pytest
 
 from ..shard_harness import save_tiny_served_model
-from .router_harness import RunningServer
+from .router_harness import launch
+
+
+class Server:
+    def __init__(self, url: str):
+        self.url = url
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("http")
     path = save_tiny_served_model(tmp / "tiny")
-    with RunningServer(tmp, str(path), max_concurrent_requests=128, max_total_tokens=256,
-                       max_input_tokens=200) as s:
-        yield s
+    proc, url = launch(str(path), tmp, "--max-total-tokens", "256", "--max-input-tokens", "200")
+    yield Server(url)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
 
 
 def post(server, route, body, **kw):
@@ -98,16 +105,34 @@ def test_best_of_returns_the_other_sequences(server):
 
 
 @pytest.mark.parametrize("params, message", [
-    ({"temperature": 0}, "`temperature` must be strictly positive"),
-    ({"top_p": 1.5}, "`top_p` must be > 0.0 and < 1.0"),
-    ({"max_new_tokens": 300}, "must be <= 256"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "`stop` supports up to 4 stop sequences"),
+    ({"best_of": 3, "do_sample": True}, "`best_of` must be > 0 and <= 2. Given: 3"),
     ({"best_of": 2}, "you must use sampling when `best_of` is > 1"),
+    ({"temperature": 0}, "`temperature` must be strictly positive"),
+    ({"repetition_penalty": 0}, "`repetition_penalty` must be strictly positive"),
+    ({"frequency_penalty": 3}, "`frequency_penalty` must be >= -2.0 and <= 2.0"),
+    ({"top_p": 1.5}, "`top_p` must be > 0.0 and < 1.0"),
+    ({"typical_p": 0}, "`typical_p` must be > 0.0 and < 1.0"),
+    ({"top_k": 0}, "`top_k` must be strictly positive"),
+    ({"max_new_tokens": 0}, "`max_new_tokens` must be strictly positive"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "`stop` supports up to 4 stop sequences. Given: 5"),
+    ({"best_of": 2, "do_sample": True, "seed": 1}, "`seed` must not be set when `best_of` > 1"),
+    ({"top_n_tokens": 6}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
+    ({"truncate": 0}, "`truncate` must be strictly positive and less than 200. Given: 0"),
+    ({"max_new_tokens": 300}, "`inputs` tokens + `max_new_tokens` must be <= 256"),
 ])
 def test_validation_errors_are_422(server, params, message):
     r = post(server, "/generate", {"inputs": "Hello", "parameters": params})
     assert r.status_code == 422 and r.json()["error_type"] == "validation"
     assert message in r.json()["error"]
+
+
+def test_too_long_inputs_and_empty_inputs_are_422(server):
+    r = post(server, "/generate", {"inputs": "x" * 230, "parameters": {"max_new_tokens": 1}})
+    assert r.status_code == 422 and "`inputs` must have less than 200 tokens. Given: 231" in r.json()["error"]
+    r = post(server, "/generate", {"inputs": "", "parameters": {}})
+    assert r.status_code == 422 and "`inputs` cannot be empty" in r.json()["error"]
+    r = post(server, "/generate_stream", {"inputs": "x", "parameters": {"best_of": 2, "do_sample": True}})
+    assert r.status_code == 422 and "`best_of` != 1 is not supported when streaming tokens" in r.json()["error"]
 
 
 def test_bad_bodies_are_4xx_not_500(server):
@@ -132,8 +157,13 @@ def test_info_health_metrics_tokenize(server):
     assert httpx.get(server.url + "/openapi.json").json()["paths"]["/generate"]
 
 
+def metric(server, name: str) -> float:
+    lines = [line for line in httpx.get(server.url + "/metrics").text.splitlines() if line.startswith(name + " ")]
+    return float(lines[0].split()[1])
+
+
 def test_disconnected_stream_returns_its_blocks(server):
-    free_before = server.shard.runner.cache.num_blocks
+    total = metric(server, "tgi_kv_cache_blocks_capacity")
 
     async def go():
         async with httpx.AsyncClient(timeout=60) as c:
@@ -144,12 +174,10 @@ def test_disconnected_stream_returns_its_blocks(server):
                         break  # hang up after the first token
     asyncio.run(go())
     for _ in range(50):
-        text = httpx.get(server.url + "/metrics").text
-        free = [line for line in text.splitlines() if line.startswith("tgi_kv_cache_blocks_free ")]
-        if free and float(free[0].split()[1]) == free_before:
+        if metric(server, "tgi_kv_cache_blocks_free") == total:
             break
         asyncio.run(asyncio.sleep(0.1))
-    assert float(free[0].split()[1]) == free_before
+    assert metric(server, "tgi_kv_cache_blocks_free") == total
 
 
 def test_64_concurrent_greedy_requests_match_alone(server):

@@ -12,33 +12,12 @@ import httpx
 import pytest
 
 from ..shard_harness import save_tiny_served_model
-from .router_harness import free_port
+from .router_harness import launch
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return str(save_tiny_served_model(tmp_path_factory.mktemp("launch") / "tiny", eos_token_id=None))
-
-
-def launch(model: str | None, tmp_path, *flags) -> tuple[subprocess.Popen, str]:
-    """model None: the default model (SmolLM2-135M-Instruct)."""
-    port = free_port()
-    model_flags = ["--model-id", model] if model else []
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tgi_router.launcher", *model_flags, "--port", str(port),
-         "--hostname", "127.0.0.1", "--shard-uds-path", str(tmp_path / "shard"), "--kv-cache-bytes", "16MiB",
-         "--max-total-tokens", "1024", "--max-input-tokens", "512", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 90
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"launcher did not start: {proc.stdout.read()}")
 
 
 def shard_pid(proc: subprocess.Popen) -> int:
