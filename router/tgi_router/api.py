@@ -44,7 +44,9 @@ class ServerState:
 
 
 def create_app(engine: Engine, settings: ApiSettings, metrics, state: ServerState) -> FastAPI:
-    app = FastAPI(title="Text Generation Inference", version=settings.info.version)
+    # TGI serves its OpenAPI spec at /api-doc/openapi.json and Swagger UI at /docs.
+    app = FastAPI(title="Text Generation Inference", version=settings.info.version,
+                  openapi_url="/api-doc/openapi.json", docs_url="/docs", redoc_url=None)
     if settings.cors_allow_origin:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_allow_origin),
                            allow_methods=["*"], allow_headers=["*"])

@@ -1,13 +1,15 @@
-"""Real clients unchanged against the server, and the admission limits:
-429 over --max-concurrent-requests, 401 without --api-key, CORS."""
+"""Real clients unchanged against the server, and the admission limits
+(429 over --max-concurrent-requests, 401 without --api-key, CORS) on the
+real launcher."""
 
 import asyncio
+import signal
 
 import httpx
 import pytest
 
 from ..shard_harness import save_tiny_served_model
-from .router_harness import RunningServer
+from .router_harness import RunningServer, launch
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +64,24 @@ def test_cors_only_for_the_allowed_origin(server):
     assert "access-control-allow-origin" not in other.headers
 
 
+class Launched:
+    """The real launcher for the duration of a `with` block."""
+
+    def __init__(self, model: str, tmp, *flags):
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.proc, self.url = launch(model, tmp, *flags)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(60) == 0
+
+
 def test_api_key_guards_generation_routes(model):
     tmp, path = model
-    with RunningServer(tmp / "b", path, api_key="s3cret", max_total_tokens=256, max_input_tokens=200) as s:
+    with Launched(path, tmp / "b", "--api-key", "s3cret") as s:
         body = {"inputs": "Hi", "parameters": {"max_new_tokens": 2}}
         for route in ("/generate", "/generate_stream", "/"):
             assert httpx.post(s.url + route, json=body).status_code == 401
@@ -76,8 +93,7 @@ def test_api_key_guards_generation_routes(model):
 
 def test_over_max_concurrent_requests_is_429_and_the_rest_finish(model):
     tmp, path = model
-    with RunningServer(tmp / "c", path, max_concurrent_requests=2, max_total_tokens=256,
-                       max_input_tokens=200) as s:
+    with Launched(path, tmp / "c", "--max-concurrent-requests", "2") as s:
         async def go():
             async with httpx.AsyncClient(timeout=60) as c:
                 body = {"inputs": "Hello", "parameters": {"max_new_tokens": 60}}

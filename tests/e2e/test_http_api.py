@@ -154,7 +154,9 @@ def test_info_health_metrics_tokenize(server):
     assert "tgi_request_success" in metrics and "tgi_kv_cache_blocks_free" in metrics
     tokens = post(server, "/tokenize", {"inputs": "hé"}).json()
     assert [t["id"] for t in tokens][0] == 256 and tokens[-1]["stop"] == 2
-    assert httpx.get(server.url + "/openapi.json").json()["paths"]["/generate"]
+    spec = httpx.get(server.url + "/api-doc/openapi.json").json()
+    assert {"/generate", "/generate_stream", "/", "/health", "/info", "/metrics", "/tokenize"} <= set(spec["paths"])
+    assert httpx.get(server.url + "/docs").status_code == 200
 
 
 def metric(server, name: str) -> float:
