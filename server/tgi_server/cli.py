@@ -11,16 +11,14 @@ from .config import ShardConfig
 log = logging.getLogger("tgi_server")
 
 
-def parse_size(text: str) -> int:
-    """'0', '4096', '512MiB', '2GiB', '1.5GB' -> bytes."""
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-             "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
-    t = text.strip().lower()
-    number = t.rstrip("kmgib")
+def non_negative(text: str) -> int:
     try:
-        return int(float(number) * units[t[len(number):]])
-    except (KeyError, ValueError):
-        raise argparse.ArgumentTypeError(f"invalid size {text!r} (e.g. 512MiB, 2GiB)") from None
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,8 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     serve.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     serve.add_argument("--block-size", type=int, default=16)
-    serve.add_argument("--kv-cache-bytes", type=parse_size, default=parse_size("0"),
-                       help="KV cache budget (e.g. 2GiB); 0 = a share of free memory at Warmup")
+    # Bytes only: the launcher parses sizes such as 2GiB (tgi_router.config).
+    serve.add_argument("--kv-cache-bytes", type=non_negative, default=0,
+                       help="KV cache budget in bytes; 0 = a share of free memory at Warmup")
     serve.add_argument("--attention-backend", default=os.environ.get("TGI_ATTENTION_BACKEND") or None,
                        help="reference, sdpa or flash_attn (env TGI_ATTENTION_BACKEND)")
     serve.add_argument("--num-threads", type=int, default=0, help="torch threads on CPU (0 = torch default)")
