@@ -57,16 +57,11 @@ class Engine:
         return stream
 
     def cancel(self, stream: RequestStream) -> None:
-        stream.cancelled = True
         for seq in stream.sequences:
             if seq.finish_reason is None:
                 self.scheduler.finish(seq, FinishReason.LENGTH)
             self._streams.pop(seq.id, None)
         self._wakeup.set()
-
-    @property
-    def in_flight(self) -> int:
-        return len({id(s) for s in self._streams.values()})
 
     # -- the loop ------------------------------------------------------------
     async def step(self) -> list[Sequence]:
@@ -146,10 +141,6 @@ class Engine:
         bm = self.scheduler.blocks
         self.metrics.kv_blocks(bm.num_blocks, bm.num_blocks - bm.num_free, bm.num_free)
         self.metrics.queue_size(len(self.scheduler.waiting))
-
-    async def run_until_idle(self) -> None:
-        while self.scheduler.has_work():
-            await self.step()
 
     async def run_forever(self) -> None:
         """Serves until cancelled; a shard failure fails every request in

@@ -82,7 +82,6 @@ class RequestStream:
     sequences: list[Sequence] = field(default_factory=list)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     results: dict[int, SequenceResult] = field(default_factory=dict)
-    cancelled: bool = False
 
     def __post_init__(self):
         self._text: dict[int, SequenceText] = {}

@@ -157,7 +157,6 @@ class Scheduler:
             if not gen.sampled:
                 continue
             seq.token_ids.append(gen.token_id)
-            seq.generations.append(gen)
             reason = self._stop_reason(seq, gen.token_id)
             if reason is not None:
                 self.finish(seq, reason)

@@ -38,7 +38,6 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
-    generations: list[pb.Generation] = field(default_factory=list)
     # What the shards already know, so a step sends only the difference.
     shard_tokens: int = 0
     shard_blocks: int = 0

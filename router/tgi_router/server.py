@@ -30,7 +30,7 @@ async def serve_router(config: RouterConfig, shard_failed: asyncio.Event, shutdo
     (in-flight requests fail, /health turns 503, exit 1)."""
     client = ShardClient.for_shards(config.shard_uds_path, config.num_shard)
     try:
-        engine, app, state, metrics = await _build(config, client)
+        engine, app, state = await _build(config, client)
     except ShardError as err:
         log.error("shards failed during warmup: %s", err)
         await client.close()
@@ -107,7 +107,7 @@ async def _build(config: RouterConfig, client: ShardClient):
         cors_allow_origin=tuple(config.cors_allow_origin), payload_limit=config.payload_limit,
         compute_type="gpu+optimized" if info.device.startswith("cuda") else "cpu")
     state = ServerState()
-    return engine, create_app(engine, settings, metrics, state), state, metrics
+    return engine, create_app(engine, settings, metrics, state), state
 
 
 def _tokenizer_config(info, config: RouterConfig) -> str:
