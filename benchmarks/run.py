@@ -4,7 +4,7 @@ merging every benchmark's keys."""
 import argparse
 import json
 
-BENCHES = ("engine", "http")
+BENCHES = ("engine", "http", "grammar")
 
 
 def main() -> None:

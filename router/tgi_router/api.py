@@ -1,13 +1,9 @@
 """TGI's HTTP routes: /generate, /generate_stream, /, /health, /info,
-/metrics, /tokenize (and FastAPI's /docs with the OpenAPI spec)."""
+/metrics, /tokenize (and FastAPI's /docs with the OpenAPI spec); the OpenAI
+routes come from openai_api."""
 
-import asyncio
-import contextlib
-import hmac
 import json
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -15,32 +11,16 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from . import protocol as p
+from .admission import Admitted, ApiSettings, Gate, ServerState
 from .engine import Engine
-from .errors import (BodyDeserializeError, GenerationError, OverloadedError, TGIError,
-                     UnauthorizedError, UnhealthyError, error_response)
+from .errors import BodyDeserializeError, GenerationError, TGIError, UnhealthyError, error_response
+from .openai_api import add_openai_routes
 from .payload_limit import PayloadLimitMiddleware
-from .request_stream import ErrorEvent, RequestStream, Timings
+from .request_stream import ErrorEvent, RequestStream
 from .responses import generate_response, stream_response, timing_headers
-from .validation import ValidationLimits, validate
+from .validation import validate
 
-
-@dataclass(frozen=True)
-class ApiSettings:
-    info: p.Info
-    limits: ValidationLimits
-    max_concurrent_requests: int
-    api_key: str | None
-    cors_allow_origin: tuple[str, ...]
-    payload_limit: int
-    compute_type: str          # "cpu", "gpu+optimized", ... (TGI's x-compute-type)
-
-
-class ServerState:
-    """What /health reports and what admission checks."""
-
-    def __init__(self):
-        self.draining = False
-        self.in_flight = 0
+__all__ = ["ApiSettings", "ServerState", "create_app"]
 
 
 def create_app(engine: Engine, settings: ApiSettings, metrics, state: ServerState) -> FastAPI:
@@ -65,80 +45,23 @@ def create_app(engine: Engine, settings: ApiSettings, metrics, state: ServerStat
         status, body = error_response(BodyDeserializeError(detail))
         return JSONResponse(body, status_code=status)
 
-    def authorize(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), settings.api_key.encode()):
-            raise UnauthorizedError()
+    gate = Gate(engine, settings, metrics, state)
 
-    async def admit(request: Request, body: p.GenerateRequest, stream: bool) -> tuple[RequestStream, Timings]:
-        authorize(request)
-        timings = Timings(arrival=time.perf_counter())
-        metrics.request_received()
-        if state.draining or not engine.healthy:
-            metrics.request_failed("dropped")
-            raise UnhealthyError()
-        if state.in_flight >= settings.max_concurrent_requests:
-            metrics.request_failed("overloaded")
-            raise OverloadedError()
-        state.in_flight += 1  # held from here until the response ends
-        try:
-            valid = await asyncio.to_thread(validate, body, engine.tokenizer.encode, settings.limits, stream=stream)
-        except BaseException as err:
-            state.in_flight -= 1
-            if isinstance(err, TGIError):
-                metrics.request_failed("validation")
-            raise
-        timings.validated = time.perf_counter()
-        metrics.request_validated(valid.input_length, valid.stopping.max_total_new_tokens)
-        return engine.submit(valid, timings), timings
+    def tgi_request(body: p.GenerateRequest, stream: bool):
+        return lambda: [validate(body, engine.tokenizer.encode, settings.limits, stream=stream)]
 
     async def generate(request: Request, body: p.GenerateRequest) -> RequestStream:
-        stream, timings = await admit(request, body, stream=False)
-        watcher = asyncio.ensure_future(_watch_disconnect(request))
+        admitted = await gate.admit(request, tgi_request(body, stream=False))
         try:
-            while (event := await _next_or_disconnect(stream, watcher)) is not None:
-                if isinstance(event, ErrorEvent):
-                    metrics.request_failed("generation")
-                    raise GenerationError(event.message.removeprefix("Request failed during generation: "))
-            _finished(metrics, stream)
-            return stream
+            await gate.wait(request, admitted)
         finally:
-            watcher.cancel()
-            state.in_flight -= 1
-            if stream.timings.finished == 0:
-                engine.cancel(stream)
+            admitted.close()
+        return admitted.streams[0]
 
     async def sse(request: Request, body: p.GenerateRequest) -> StreamingResponse:
-        stream, _ = await admit(request, body, stream=True)
-        previous = 0.0
-
-        async def events() -> AsyncIterator[bytes]:
-            nonlocal previous
-            index = 0
-            try:
-                while (event := await stream.events.get()) is not None:
-                    if isinstance(event, ErrorEvent):
-                        metrics.request_failed("generation")
-                        _, err = error_response(GenerationError(
-                            event.message.removeprefix("Request failed during generation: ")))
-                        yield b"data:" + json.dumps(err).encode() + b"\n\n"
-                        return
-                    index += 1
-                    if index > 1:
-                        metrics.inter_token(stream.timings.last_token - previous)
-                    else:
-                        metrics.first_token(stream.timings.first_token - stream.timings.arrival)
-                    previous = stream.timings.last_token
-                    yield b"data:" + stream_response(stream, event, index).model_dump_json().encode() + b"\n\n"
-                _finished(metrics, stream)
-            finally:
-                state.in_flight -= 1
-                if stream.timings.finished == 0:
-                    engine.cancel(stream)  # the client went away: free its blocks now
+        admitted = await gate.admit(request, tgi_request(body, stream=True))
         headers = {"x-compute-type": settings.compute_type, "x-accel-buffering": "no", "cache-control": "no-cache"}
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(_tgi_events(gate, admitted), media_type="text/event-stream", headers=headers)
 
     @app.post("/generate", response_model=p.GenerateResponse, tags=["Text Generation Inference"])
     async def generate_route(request: Request, body: p.CompatGenerateRequest):
@@ -180,33 +103,26 @@ def create_app(engine: Engine, settings: ApiSettings, metrics, state: ServerStat
 
     @app.post("/tokenize", response_model=p.TokenizeResponse, tags=["Text Generation Inference"])
     async def tokenize(request: Request, body: p.GenerateRequest):
-        authorize(request)
+        gate.authorize(request)
         tokens = engine.tokenizer.encode_with_offsets(body.inputs)
         return JSONResponse([p.SimpleToken(id=i, text=t, start=a, stop=b).model_dump() for i, t, a, b in tokens])
 
+    add_openai_routes(app, gate)
     return app
 
 
-def _finished(metrics, stream: RequestStream) -> None:
-    t = stream.timings
-    metrics.request_finished(total_s=t.finished - t.arrival, validation_s=t.validated - t.arrival,
-                             queue_s=(t.first_scheduled or t.queued) - t.queued,
-                             inference_s=t.finished - (t.first_scheduled or t.queued),
-                             generated_tokens=stream.generated_tokens)
-
-
-async def _watch_disconnect(request: Request) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.1)
-
-
-async def _next_or_disconnect(stream: RequestStream, watcher: asyncio.Future):
-    """The stream's next event; raises CancelledError when the client left."""
-    getter = asyncio.ensure_future(stream.events.get())
-    done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    if getter in done:
-        return getter.result()
-    getter.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await getter
-    raise asyncio.CancelledError("client disconnected")
+async def _tgi_events(gate: Gate, admitted: Admitted) -> AsyncIterator[bytes]:
+    """/generate_stream's SSE events; a failure is the last event, as TGI."""
+    stream = admitted.streams[0]
+    try:
+        index = 0
+        async for _, event in gate.events(admitted):
+            if isinstance(event, ErrorEvent):
+                _, err = error_response(GenerationError(
+                    event.message.removeprefix("Request failed during generation: ")))
+                yield b"data:" + json.dumps(err).encode() + b"\n\n"
+                return
+            index += 1
+            yield b"data:" + stream_response(stream, event, index).model_dump_json().encode() + b"\n\n"
+    finally:
+        admitted.close()

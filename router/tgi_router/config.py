@@ -61,6 +61,7 @@ class RouterConfig:
     tokenizer_config_path: str | None = None
     graceful_termination_timeout: int = 90      # seconds
     flash_attention: bool = False  # refuse to start without a flash-style attention backend
+    disable_grammar_support: bool = False
     # Ours, not TGI's.
     kv_cache_bytes: int = 0        # KV cache budget passed to each shard; 0: sized at Warmup
     num_threads: int = 0           # torch threads per shard on CPU; 0: torch's default
@@ -152,6 +153,7 @@ _FLAGS = (
     _Flag("payload_limit", _count, "largest request body in bytes (default: 2000000)"),
     _Flag("tokenizer_config_path", str, "tokenizer_config.json to use (e.g. for its chat_template)"),
     _Flag("graceful_termination_timeout", _count, "seconds to drain requests on SIGTERM (default: 90)"),
+    _Flag("disable_grammar_support", None, "refuse grammars, response_format schemas and tools (422)"),
     _Flag("flash_attention", None, "require flash-style attention (flash-attn on CUDA, SDPA on CPU)"),
     # Ours.
     _Flag("kv_cache_bytes", _size, "[ours] KV cache budget per shard, e.g. 2GiB (default: sized at Warmup)"),
@@ -163,7 +165,7 @@ _FLAGS = (
 _IGNORED = {"validation_workers": True, "speculate": True, "cuda_graphs": True,
             "weights_cache_override": True, "disable_custom_kernels": False,
             "cuda_memory_fraction": True, "otlp_endpoint": True, "otlp_service_name": True,
-            "disable_grammar_support": False, "max_client_batch_size": True,
+            "max_client_batch_size": True,
             "usage_stats": True, "enable_prefill_logprobs": False, "ngrok_authtoken": True,
             "ngrok_edge": True, "env": False}
 # TGI flags whose effect we cannot give yet: refused.

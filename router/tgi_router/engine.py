@@ -169,5 +169,6 @@ def _sampling(request: ValidGenerateRequest, seed: int) -> pb.SamplingParameters
     return pb.SamplingParameters(
         do_sample=p.do_sample, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
         typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
-        frequency_penalty=p.frequency_penalty, seed=seed, top_n_tokens=request.top_n_tokens,
-        prefill_logprobs=request.decoder_input_details)
+        frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty, seed=seed,
+        top_n_tokens=request.top_n_tokens, prefill_logprobs=request.decoder_input_details,
+        grammar=p.grammar.text if p.grammar is not None else "")

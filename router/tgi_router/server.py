@@ -102,7 +102,8 @@ async def _build(config: RouterConfig, client: ShardClient):
                     validation_workers=1, max_client_batch_size=4, version=_version()),
         limits=ValidationLimits(max_input_tokens=limits.max_input_tokens, max_total_tokens=limits.max_total_tokens,
                                 max_best_of=config.max_best_of, max_stop_sequences=config.max_stop_sequences,
-                                max_top_n_tokens=config.max_top_n_tokens, disable_grammar_support=True),
+                                max_top_n_tokens=config.max_top_n_tokens,
+                                disable_grammar_support=config.disable_grammar_support),
         max_concurrent_requests=config.max_concurrent_requests, api_key=config.api_key,
         cors_allow_origin=tuple(config.cors_allow_origin), payload_limit=config.payload_limit,
         compute_type="gpu+optimized" if info.device.startswith("cuda") else "cpu")

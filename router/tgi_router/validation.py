@@ -16,9 +16,10 @@ tokenizer's work is the request body limit (413, TGI's --payload-limit,
 import json
 import random
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable
 
 from tgi_router.errors import ValidationError
+from tgi_router.grammar import ValidGrammar, json_grammar, regex_grammar
 from tgi_router.protocol import (GenerateParameters, GenerateRequest,
                                  JsonSchemaGrammar, RegexGrammar)
 
@@ -45,13 +46,6 @@ class ValidationLimits:
 
 
 @dataclass(frozen=True)
-class ValidGrammar:
-    """`json`: a JSON Schema object as compact JSON text; `regex`: a pattern."""
-    type: Literal["json", "regex"]
-    value: str
-
-
-@dataclass(frozen=True)
 class ValidParameters:
     """Sampling parameters with TGI's neutral values filled in."""
     temperature: float           # 1.0 = off
@@ -67,6 +61,7 @@ class ValidParameters:
     frequency_penalty: float     # 0.0 = off
     watermark: bool
     grammar: ValidGrammar | None
+    presence_penalty: float = 0.0  # OpenAI's; 0.0 = off
 
 
 @dataclass(frozen=True)
@@ -249,15 +244,16 @@ def _check_lengths(p: GenerateParameters, input_length: int,
 
 def _valid_grammar(p: GenerateParameters,
                    limits: ValidationLimits) -> ValidGrammar | None:
-    """TGI's grammar checks, minus the JSON Schema meta-schema validation
-    (TGI's jsonschema crate); compiling the schema is the shard's job."""
+    """TGI's grammar checks (minus the JSON Schema meta-schema validation of
+    TGI's jsonschema crate), then llguidance's own: a schema or regex it
+    cannot compile is a 422 here, never a failed step."""
     grammar = p.grammar
     if grammar is None:
         return None
     if limits.disable_grammar_support:
         raise ValidationError("grammar is not supported")
     if isinstance(grammar, RegexGrammar):
-        return ValidGrammar("regex", grammar.value)
+        return regex_grammar(grammar.value)
     if isinstance(grammar, JsonSchemaGrammar):
         schema = grammar.value.schema_
     elif isinstance(grammar.value, str):
@@ -274,4 +270,4 @@ def _valid_grammar(p: GenerateParameters,
             f"grammar is not valid: {json.dumps(schema)} is not of types \"boolean\", \"object\"")
     if not isinstance(schema, dict) or "properties" not in schema:
         raise ValidationError("grammar is not valid: Grammar must have a 'properties' field")
-    return ValidGrammar("json", json.dumps(schema, separators=(",", ":")))
+    return json_grammar(schema)

@@ -11,6 +11,7 @@ from tgi_kernels import select_backend
 from tgi_proto import pb
 
 from .batch import StepBatch, build_batch
+from .grammar import GrammarCompiler
 from .kv_cache import KVCache
 from .layers.attention import ForwardContext
 from .memory import kv_cache_budget
@@ -20,8 +21,11 @@ from .sequences import SequenceTable, ShardSequence
 
 
 class ModelRunner:
+    """grammars: compiles the grammars of constrained requests; None when the
+    shard has no tokenizer (a grammar is then an invalid step)."""
+
     def __init__(self, loaded: LoadedModel, block_size: int, attention_backend: str | None,
-                 kv_cache_bytes: int):
+                 kv_cache_bytes: int, grammars: GrammarCompiler | None = None):
         self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.config
@@ -30,9 +34,10 @@ class ModelRunner:
         self.backend = select_backend(self.device, attention_backend)
         self.kv_cache_bytes = kv_cache_bytes  # the shard's flag; 0 = automatic
         self.sampler = Sampler()
+        self.grammars = grammars
         # Until Warmup sizes it, the cache holds only the scratch block.
         self.cache = KVCache(self.config, 0, block_size, loaded.dtype, self.device)
-        self.table = SequenceTable(block_size, 0, self.config.vocab_size)
+        self.table = SequenceTable(block_size, 0, self.config.vocab_size, grammars)
         self.warmed_up = False
 
     # -- warmup and health -------------------------------------------------
@@ -53,7 +58,7 @@ class ModelRunner:
         per_block = KVCache.bytes_per_block(self.config, self.block_size, self.loaded.dtype)
         num_blocks = int(max(1, budget // per_block - 1))  # one block stays the scratch block
         self.cache = KVCache(self.config, num_blocks, self.block_size, self.loaded.dtype, self.device)
-        self.table = SequenceTable(self.block_size, num_blocks, self.config.vocab_size)
+        self.table = SequenceTable(self.block_size, num_blocks, self.config.vocab_size, self.grammars)
         self.warmed_up = True
         return pb.WarmupResponse(
             num_blocks=num_blocks, block_size=self.block_size, kv_cache_bytes=self.cache.nbytes,
@@ -126,9 +131,16 @@ class ModelRunner:
             rows = batch.sample_rows
             # Usually every logits row samples: skip a copy of [S, vocab].
             sample_logits = logits if rows == list(range(logits.shape[0])) else logits[rows]
+            # A sequence has a grammar only when self.grammars compiled it.
+            constrained = [i for i, s in enumerate(sampling) if s.grammar is not None]
+            processors = []
+            if constrained:
+                processors.append(self.grammars.mask(constrained, [sampling[i].grammar for i in constrained]))
             result = self.sampler(
                 sample_logits, [s.params for s in sampling],
-                [s.token_ids for s in sampling], [s.prompt_length for s in sampling])
+                [s.token_ids for s in sampling], [s.prompt_length for s in sampling], processors)
+            if constrained:
+                self.grammars.consume([(sampling[i].grammar, result.token_ids[i]) for i in constrained])
             for i, seq in enumerate(sampling):
                 gen = out[seq.id]
                 gen.sampled = True

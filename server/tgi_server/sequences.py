@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from tgi_proto import pb
 
+from .grammar import GrammarCompiler, GrammarError, SequenceGrammar
 from .sampler import SamplingParams
 
 
@@ -23,6 +24,9 @@ class ShardSequence:
     params: SamplingParams
     prefill_logprobs: bool
     scheduled: int = field(default=0)  # tokens to compute in the current step
+    # Constrained decoding: the grammar's state after this sequence's generated
+    # tokens (it consumes each sampled token); None: unconstrained.
+    grammar: SequenceGrammar | None = None
 
     @property
     def samples(self) -> bool:
@@ -40,12 +44,17 @@ def params_from_proto(p: pb.SamplingParameters) -> SamplingParams:
 
 
 class SequenceTable:
-    """All live sequences of this shard, by id."""
+    """All live sequences of this shard, by id.
 
-    def __init__(self, block_size: int, num_blocks: int, vocab_size: int):
+    `grammars` compiles the grammars of new sequences; None (a shard without a
+    tokenizer) refuses them."""
+
+    def __init__(self, block_size: int, num_blocks: int, vocab_size: int,
+                 grammars: GrammarCompiler | None = None):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vocab_size = vocab_size
+        self.grammars = grammars
         self._seqs: dict[int, ShardSequence] = {}
 
     def __len__(self) -> int:
@@ -78,6 +87,10 @@ class SequenceTable:
             if tokens and max(tokens) >= self.vocab_size:
                 raise StepError(f"sequence {seq.id}: token id {max(tokens)} is outside the "
                                 f"vocabulary (size {self.vocab_size})")
+        # Grammars compile only once the tokens they consume are known to be valid.
+        for (seq, tokens, _, _), n in zip(staged[len(request.running):], request.new_sequences):
+            if n.parameters.grammar:
+                seq.grammar = self._grammar(seq.id, n.parameters.grammar, tokens[seq.prompt_length:])
         scheduled_seqs = []
         for seq, tokens, blocks, scheduled in staged:
             seq.token_ids.extend(tokens)
@@ -96,6 +109,15 @@ class SequenceTable:
             num_computed=n.num_computed_tokens, block_table=[],
             params=params_from_proto(n.parameters), prefill_logprobs=n.parameters.prefill_logprobs)
         return seq, list(n.token_ids), list(n.block_table), n.num_scheduled_tokens
+
+    def _grammar(self, seq_id: int, grammar: str, generated: list[int]) -> SequenceGrammar:
+        """The grammar's state after `generated` (a re-sent preempted sequence's tokens)."""
+        if self.grammars is None:
+            raise StepError(f"sequence {seq_id}: this shard has no tokenizer, so it cannot apply a grammar")
+        try:
+            return self.grammars.start(seq_id, grammar, generated)
+        except GrammarError as err:
+            raise StepError(f"sequence {seq_id}: {err}") from None
 
     def _check(self, seq_id: int, computed: int, total: int, blocks: int, scheduled: int,
                new_blocks: list[int]) -> None:

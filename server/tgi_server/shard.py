@@ -11,6 +11,7 @@ import torch
 from tgi_proto import pb
 
 from .config import ShardConfig
+from .grammar import GrammarCompiler
 from .model_loader import DTYPES, default_dtype, load_model
 from .model_runner import ModelRunner
 from .service import serve
@@ -38,8 +39,9 @@ def load_shard(config: ShardConfig) -> tuple[ModelRunner, pb.InfoResponse]:
     log.info("loading %s (%s) as %s on %s", source.model_id, source.path, str(dtype).removeprefix("torch."), device)
     loaded = load_model(source, dtype, device)
     tokenizer_json, tokenizer_config_json = export_tokenizer(source)
-    runner = ModelRunner(loaded, config.block_size, config.attention_backend, config.kv_cache_bytes)
     c = loaded.config
+    grammars = GrammarCompiler(tokenizer_json, c.vocab_size, c.eos_token_ids) if tokenizer_json else None
+    runner = ModelRunner(loaded, config.block_size, config.attention_backend, config.kv_cache_bytes, grammars)
     log.info("loaded %s: %d layers in %.1f s; attention backend %s",
              c.model_type, c.num_layers, loaded.load_seconds, runner.backend)
     info = pb.InfoResponse(

@@ -313,19 +313,32 @@ PROPS = {"properties": {"name": {"type": "string"}}}
 
 def test_regex_grammar_passes_through():
     g = run(grammar={"type": "regex", "value": "[a-z]+"}).parameters.grammar
-    assert g == ValidGrammar("regex", "[a-z]+")
+    assert isinstance(g, ValidGrammar) and g.type == "regex" and g.source == "[a-z]+"
+    assert json.loads(g.text)["grammars"]  # llguidance's grammar text for the shards
 
 
 @pytest.mark.parametrize("value", [PROPS, json.dumps(PROPS)])
 def test_json_grammar_as_object_or_string(value):
     g = run(grammar={"type": "json", "value": value}).parameters.grammar
-    assert g.type == "json" and json.loads(g.value) == PROPS
+    assert g.type == "json" and json.loads(g.source) == PROPS
 
 
 def test_json_schema_grammar_uses_its_schema():
     g = run(grammar={"type": "json_schema",
                      "value": {"name": "n", "schema": PROPS}}).parameters.grammar
-    assert g.type == "json" and json.loads(g.value) == PROPS
+    assert g.type == "json" and json.loads(g.source) == PROPS
+
+
+@pytest.mark.parametrize("grammar, message", [
+    ({"type": "regex", "value": "(a"}, "unclosed group"),
+    ({"type": "regex", "value": "a{5,2}"}, "grammar is not valid"),
+    ({"type": "json", "value": {"properties": {"a": {"type": "strin"}}}}, "strin"),
+    ({"type": "json", "value": {"properties": {"a": {"$ref": "#/$defs/missing"}}}}, "missing"),
+])
+def test_grammar_that_does_not_compile_is_a_validation_error(grammar, message):
+    with pytest.raises(ValidationError) as info:
+        run(grammar=grammar)
+    assert info.value.detail.startswith("grammar is not valid: ") and message in info.value.detail
 
 
 def test_grammar_disabled():

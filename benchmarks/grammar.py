@@ -1,0 +1,112 @@
+"""Grammar benchmark: what constrained decoding costs at batch 8.
+
+SmolLM2-135M-Instruct in bf16 on 2 threads, the shard in its own process
+driven by the router's engine (as in production). Eight chat prompts ask
+for JSON; they run once unconstrained and once under a JSON Schema (an
+array of at least 10 objects, so every sequence stays in the grammar for
+well over 100 tokens). Tokens/s counts only decode steps with all 8
+sequences running, so both runs measure the same thing: the time of a
+batch-8 step, grammar masks (computed by llguidance for the 8 rows, then
+applied to the logits) included or not. Runs alternate and each side
+reports its best (the machine is shared and noisy)."""
+
+import asyncio
+import json
+import tempfile
+import time
+
+import torch
+
+from tgi_proto import pb
+from tgi_router.block_manager import BlockManager
+from tgi_router.client import ShardClient
+from tgi_router.engine import Engine
+from tgi_router.grammar import json_grammar
+from tgi_router.scheduler import Scheduler
+from tgi_router.sequence import Sequence, StoppingCriteria
+
+from .engine import THREADS, hf_model, start_shard
+
+BATCH = 8
+NEW_TOKENS = 160
+REPEATS = 3
+SCHEMA = {
+    "type": "object",
+    "properties": {"people": {"type": "array", "minItems": 10, "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                       "city": {"type": "string"}},
+        "required": ["name", "age", "city"]}}},
+    "required": ["people"],
+}
+TOPICS = ("famous scientists", "football players", "painters", "writers", "musicians",
+          "explorers", "inventors", "film directors")
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    out = []
+    for topic in TOPICS[:BATCH]:
+        messages = [{"role": "user", "content": f"List ten {topic} as JSON with name, age and city."}]
+        out.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False))
+    return out
+
+
+async def batch8_tokens_per_s(client: ShardClient, warm: pb.WarmupResponse, prompts: list[list[int]],
+                              grammar: str, eos: frozenset[int]) -> tuple[float, int]:
+    """(tokens/s over steps with all BATCH sequences decoding, such steps)."""
+    scheduler = Scheduler(BlockManager(warm.num_blocks, warm.block_size), max_batch_tokens=4096)
+    engine = Engine(client, scheduler)
+    for i, p in enumerate(prompts):
+        scheduler.add(Sequence(id=i + 1, token_ids=list(p), params=pb.SamplingParameters(grammar=grammar),
+                               stopping=StoppingCriteria(NEW_TOKENS, eos, ignore_eos=True)))
+    tokens, seconds, steps = 0, 0.0, 0
+    while scheduler.has_work():
+        full = (not scheduler.waiting and len(scheduler.running) == BATCH
+                and all(s.num_computed >= s.prompt_length for s in scheduler.running))
+        t = time.perf_counter()
+        await engine.step()
+        if full:
+            tokens, seconds, steps = tokens + BATCH, seconds + time.perf_counter() - t, steps + 1
+    await client.clear_cache()
+    return tokens / max(seconds, 1e-9), steps
+
+
+async def drive(socket: str, ids: list[list[int]], eos: frozenset[int]) -> dict:
+    grammar = json_grammar(SCHEMA).text
+    client = ShardClient([socket], timeout=600)
+    try:
+        await client.wait_ready(180)
+        warm = await client.warmup(4096, BATCH, kv_cache_bytes=1 << 30)
+        await batch8_tokens_per_s(client, warm, ids, grammar, eos)  # compile, first-call costs
+        free, constrained = [], []
+        for _ in range(REPEATS):
+            free.append(await batch8_tokens_per_s(client, warm, ids, "", eos))
+            constrained.append(await batch8_tokens_per_s(client, warm, ids, grammar, eos))
+        return {"free": max(free), "constrained": max(constrained)}
+    finally:
+        await client.close()
+
+
+def run() -> dict:
+    torch.set_num_threads(THREADS)
+    model, tokenizer, path = hf_model(torch.bfloat16)
+    del model
+    ids = prompts(tokenizer)
+    eos = frozenset([tokenizer.eos_token_id])
+    with tempfile.TemporaryDirectory() as tmp:
+        shard = start_shard(path, tmp)
+        try:
+            r = asyncio.run(drive(f"{tmp}/shard-0", ids, eos))
+        finally:
+            shard.terminate()
+            shard.wait(30)
+    (free, free_steps), (constrained, constrained_steps) = r["free"], r["constrained"]
+    ratio = constrained / free
+    print(f"\nGrammar benchmark: SmolLM2-135M bf16, {THREADS} threads, batch {BATCH}, "
+          f"JSON Schema {json.dumps(SCHEMA)[:60]}...")
+    print(f"{'':<28}{'tok/s (b8 decode)':>20}{'steps':>8}{'vs free':>10}")
+    print(f"{'unconstrained':<28}{free:>20.1f}{free_steps:>8}{1.0:>10.2f}")
+    print(f"{'JSON Schema grammar':<28}{constrained:>20.1f}{constrained_steps:>8}{ratio:>10.2f}")
+    return {"grammar_b8_free_tok_s": round(free, 1), "grammar_b8_constrained_tok_s": round(constrained, 1),
+            "grammar_b8_tokens_per_s_ratio": round(ratio, 3)}

@@ -1,0 +1,165 @@
+"""What every generation route shares: the API key, admission under
+--max-concurrent-requests, validation off the event loop, submission to the
+engine, reading events (one stream or several interleaved), request
+metrics, and cancelling what a departed client leaves behind."""
+
+import asyncio
+import hmac
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from . import protocol as p
+from .engine import Engine
+from .errors import GenerationError, OverloadedError, TGIError, UnauthorizedError, UnhealthyError
+from .request_stream import ErrorEvent, RequestStream, StreamEvent, Timings
+from .validation import ValidationLimits, ValidGenerateRequest
+
+__all__ = ["ApiSettings", "ServerState", "Gate", "Admitted"]
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    info: p.Info
+    limits: ValidationLimits
+    max_concurrent_requests: int
+    api_key: str | None
+    cors_allow_origin: tuple[str, ...]
+    payload_limit: int
+    compute_type: str          # "cpu", "gpu+optimized", ... (TGI's x-compute-type)
+
+
+class ServerState:
+    """What /health reports and what admission checks."""
+
+    def __init__(self):
+        self.draining = False
+        self.in_flight = 0
+
+
+@dataclass
+class Admitted:
+    """One admitted HTTP request: its streams (one per choice), in order.
+    `close()` must run once when the response ends, however it ends."""
+    streams: list[RequestStream]
+    gate: "Gate"
+    closed: bool = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.gate.state.in_flight -= 1
+        for stream in self.streams:
+            if stream.timings.finished == 0:
+                self.gate.engine.cancel(stream)  # the client left: free its blocks now
+
+
+class Gate:
+    def __init__(self, engine: Engine, settings: ApiSettings, metrics, state: ServerState):
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.state = state
+
+    def authorize(self, request: Request) -> None:
+        if self.settings.api_key is None:
+            return
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), self.settings.api_key.encode()):
+            raise UnauthorizedError()
+
+    async def admit(self, request: Request,
+                    prepare: Callable[[], list[ValidGenerateRequest]]) -> Admitted:
+        """Authorizes, takes a concurrency permit, runs `prepare` (templating,
+        tokenizing, validating: CPU work) in a worker thread, and submits
+        each request it returns as one stream."""
+        self.authorize(request)
+        arrival = time.perf_counter()
+        self.metrics.request_received()
+        if self.state.draining or not self.engine.healthy:
+            self.metrics.request_failed("dropped")
+            raise UnhealthyError()
+        if self.state.in_flight >= self.settings.max_concurrent_requests:
+            self.metrics.request_failed("overloaded")
+            raise OverloadedError()
+        self.state.in_flight += 1  # held until Admitted.close()
+        try:
+            valid = await asyncio.to_thread(prepare)
+        except BaseException as err:
+            self.state.in_flight -= 1
+            if isinstance(err, TGIError):
+                self.metrics.request_failed("validation")
+            raise
+        validated = time.perf_counter()
+        streams = []
+        for v in valid:
+            self.metrics.request_validated(v.input_length, v.stopping.max_total_new_tokens)
+            streams.append(self.engine.submit(v, Timings(arrival=arrival, validated=validated)))
+        return Admitted(streams, self)
+
+    async def wait(self, request: Request, admitted: Admitted) -> None:
+        """Until every stream has finished; GenerationError when one failed,
+        CancelledError when the client disconnected first."""
+        async for _, event in self.events(admitted, request):
+            if isinstance(event, ErrorEvent):
+                raise GenerationError(event.message.removeprefix("Request failed during generation: "))
+
+    async def events(self, admitted: Admitted, request: Request | None = None
+                     ) -> AsyncIterator[tuple[int, StreamEvent | ErrorEvent]]:
+        """(stream index, event) as the streams produce them, interleaved,
+        until all have ended; an ErrorEvent ends the iteration after it is
+        yielded. Records token latencies and finished-request metrics. With
+        `request`, a disconnect raises CancelledError (a streaming response
+        learns it from its own send failing instead)."""
+        streams = admitted.streams
+        getters = {asyncio.ensure_future(s.events.get()): i for i, s in enumerate(streams)}
+        watcher = asyncio.ensure_future(_watch_disconnect(request)) if request is not None else None
+        previous = [0.0] * len(streams)
+        try:
+            while getters:
+                done, _ = await asyncio.wait(set(getters) | ({watcher} if watcher else set()),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if watcher in done:
+                    raise asyncio.CancelledError("client disconnected")
+                for getter in done:
+                    i = getters.pop(getter)
+                    event = getter.result()
+                    if event is None:
+                        self._finished(streams[i])
+                        continue
+                    if isinstance(event, ErrorEvent):
+                        self.metrics.request_failed("generation")
+                        yield i, event
+                        return
+                    self._token_latency(streams[i], previous, i)
+                    yield i, event
+                    getters[asyncio.ensure_future(streams[i].events.get())] = i
+        finally:
+            for getter in getters:
+                getter.cancel()
+            if watcher is not None:
+                watcher.cancel()
+
+    def _token_latency(self, stream: RequestStream, previous: list[float], i: int) -> None:
+        t = stream.timings
+        if previous[i]:
+            self.metrics.inter_token(t.last_token - previous[i])
+        else:
+            self.metrics.first_token(t.first_token - t.arrival)
+        previous[i] = t.last_token
+
+    def _finished(self, stream: RequestStream) -> None:
+        t = stream.timings
+        self.metrics.request_finished(
+            total_s=t.finished - t.arrival, validation_s=t.validated - t.arrival,
+            queue_s=(t.first_scheduled or t.queued) - t.queued,
+            inference_s=t.finished - (t.first_scheduled or t.queued),
+            generated_tokens=stream.generated_tokens)
+
+
+async def _watch_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.1)

@@ -1,0 +1,158 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions (both
+streaming or not), /v1/models, and TGI's /chat_tokenize.
+
+A request becomes `n` engine requests (openai_prepare); their results are
+shaped as OpenAI's objects here, streamed as chunks by openai_stream.
+"""
+
+import asyncio
+import logging
+import secrets
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from . import openai_protocol as o
+from . import protocol as p
+from .admission import Admitted, Gate
+from .chat_template import ChatTemplate
+from .chat_template import TemplateError as RenderError
+from .errors import TemplateError
+from .openai_prepare import PreparedChat, chat_tools, prepare_chat, prepare_completion, render_chat
+from .openai_stream import (chat_chunks, chat_token_logprobs, completion_chunks, completion_logprobs,
+                            finish_reason, usage)
+from .request_stream import RequestStream, SequenceResult
+from .responses import timing_headers
+from .tool_calls import ToolPlan, new_call_id, parse_tool_call
+
+__all__ = ["add_openai_routes"]
+
+log = logging.getLogger("tgi_router")
+
+
+def add_openai_routes(app: FastAPI, gate: Gate) -> None:
+    engine, settings = gate.engine, gate.settings
+    tokenizer = engine.tokenizer
+    model_id = settings.info.model_id
+    fingerprint = f"{settings.info.version}-{settings.info.docker_label or 'native'}"
+    started = int(time.time())
+    template, template_problem = _load_template(tokenizer)
+
+    def chat_template() -> ChatTemplate:
+        if template is None:
+            raise TemplateError(template_problem)
+        return template
+
+    def sse(admitted: Admitted, chunks) -> StreamingResponse:
+        async def body():
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            finally:
+                admitted.close()
+        headers = {"x-compute-type": settings.compute_type, "x-accel-buffering": "no", "cache-control": "no-cache"}
+        return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+
+    @app.post("/v1/chat/completions", response_model=o.ChatCompletion, tags=["OpenAI"])
+    async def chat_completions(request: Request, body: o.ChatCompletionRequest):
+        """OpenAI's chat completions, with tools, response_format and n."""
+        prepared: list[PreparedChat] = []
+
+        def prepare():
+            prepared.append(prepare_chat(body, chat_template(), tokenizer, settings.limits))
+            return prepared[0].requests
+        admitted = await gate.admit(request, prepare)
+        meta = _Meta("chatcmpl-" + secrets.token_hex(12), int(time.time()), model_id, fingerprint)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return sse(admitted, chat_chunks(gate, admitted, meta, prepared[0].tools, body.logprobs,
+                                             include_usage, tokenizer))
+        try:
+            await gate.wait(request, admitted)
+        finally:
+            admitted.close()
+        choices = [_chat_choice(i, s, prepared[0].tools, body.logprobs) for i, s in enumerate(admitted.streams)]
+        answer = o.ChatCompletion(id=meta.id, created=meta.created, model=model_id, system_fingerprint=fingerprint,
+                                  choices=choices, usage=usage(admitted.streams, len(admitted.streams)))
+        return JSONResponse(answer.model_dump(mode="json"),
+                            headers=timing_headers(admitted.streams[0], settings.compute_type))
+
+    @app.post("/v1/completions", response_model=o.Completion, tags=["OpenAI"])
+    async def completions(request: Request, body: o.CompletionRequest):
+        """OpenAI's legacy completions: a prompt or a list of prompts."""
+        admitted = await gate.admit(request, lambda: prepare_completion(body, tokenizer, settings.limits))
+        meta = _Meta("cmpl-" + secrets.token_hex(12), int(time.time()), model_id, fingerprint)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return sse(admitted, completion_chunks(gate, admitted, meta, body.n, body.logprobs is not None,
+                                                   body.echo, include_usage))
+        try:
+            await gate.wait(request, admitted)
+        finally:
+            admitted.close()
+        choices = [_completion_choice(i, s, body.logprobs is not None, body.echo)
+                   for i, s in enumerate(admitted.streams)]
+        answer = o.Completion(id=meta.id, created=meta.created, model=model_id, system_fingerprint=fingerprint,
+                              choices=choices, usage=usage(admitted.streams, body.n))
+        return JSONResponse(answer.model_dump(mode="json"),
+                            headers=timing_headers(admitted.streams[0], settings.compute_type))
+
+    @app.get("/v1/models", response_model=o.ModelList, tags=["OpenAI"])
+    async def models():
+        """The one model this server serves."""
+        listing = o.ModelList(data=[o.Model(id=model_id, created=started, owned_by=model_id)])
+        return JSONResponse(listing.model_dump(mode="json"))
+
+    @app.post("/chat_tokenize", response_model=p.ChatTokenizeResponse, tags=["Text Generation Inference"])
+    async def chat_tokenize(request: Request, body: o.ChatCompletionRequest):
+        """The chat template's text for these messages, and its tokens."""
+        gate.authorize(request)
+        text = await asyncio.to_thread(lambda: render_chat(body, chat_template(), chat_tools(body)))
+        tokens = tokenizer.encode_with_offsets(text, add_special_tokens=False)
+        return JSONResponse({"tokenize_response": [p.SimpleToken(id=i, text=t, start=a, stop=b).model_dump()
+                                                   for i, t, a, b in tokens],
+                             "templated_text": text})
+
+
+class _Meta:
+    """What every object of one response repeats."""
+
+    def __init__(self, id: str, created: int, model: str, fingerprint: str):
+        self.id, self.created, self.model, self.fingerprint = id, created, model, fingerprint
+
+
+def _load_template(tokenizer) -> tuple[ChatTemplate | None, str]:
+    config = tokenizer.config
+    try:
+        return ChatTemplate(config.chat_template, config.bos_token, config.eos_token), ""
+    except RenderError as err:
+        log.warning("the chat template does not compile: %s", err)
+        return None, f"the chat template does not compile: {err}"
+
+
+def _result(stream: RequestStream) -> SequenceResult:
+    return stream.best()[0]
+
+
+def _chat_choice(index: int, stream: RequestStream, tools: ToolPlan, logprobs: bool) -> o.ChatChoice:
+    result = _result(stream)
+    call = parse_tool_call(result.generated_text) if tools.grammar is not None else None
+    if call is not None:
+        message = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": new_call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]}
+    else:
+        message = {"role": "assistant", "content": result.generated_text}
+    return o.ChatChoice.model_validate({
+        "index": index, "message": message,
+        "logprobs": {"content": chat_token_logprobs(result.tokens, result.top_tokens)} if logprobs else None,
+        "finish_reason": finish_reason(result, call is not None)})
+
+
+def _completion_choice(index: int, stream: RequestStream, logprobs: bool, echo: bool) -> o.CompletionChoice:
+    result = _result(stream)
+    prefix = stream.request.inputs if echo else ""
+    return o.CompletionChoice.model_validate({
+        "index": index, "text": prefix + result.generated_text,
+        "logprobs": completion_logprobs(result.tokens, result.top_tokens, len(prefix)) if logprobs else None,
+        "finish_reason": finish_reason(result, False)})

@@ -1,0 +1,120 @@
+"""SmolLM2-135M-Instruct behind the real launcher, through the `openai` SDK:
+structured output for 20 JSON schemas, tool calls under required and named
+choice, and streamed answers that reassemble to the non-streamed ones."""
+
+import asyncio
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from .router_harness import launch
+
+pytestmark = pytest.mark.slow
+
+S, I, N, B = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+
+
+def obj(required: list[str] | None = None, **properties) -> dict:
+    return {"type": "object", "properties": properties, "required": list(properties) if required is None else required}
+
+
+# (prompt, schema): nested objects, arrays, enums, numbers, required fields.
+SCHEMAS = [
+    ("Describe a person.", obj(name=S, age=I)),
+    ("Describe a book.", obj(title=S, author=S, year=I, pages=I)),
+    ("Describe a city.", obj(name=S, country=S, population=I, capital=B)),
+    ("Give a product with a price.", obj(name=S, price=N, in_stock=B)),
+    ("What color is the sky?", obj(color={"enum": ["blue", "grey", "black", "orange"]})),
+    ("Rate the movie Titanic.", obj(movie=S, stars={"type": "integer", "minimum": 1, "maximum": 5})),
+    ("List three fruits.", obj(fruits={"type": "array", "items": S, "minItems": 3, "maxItems": 3})),
+    ("List some prime numbers.", obj(primes={"type": "array", "items": I, "minItems": 1, "maxItems": 6})),
+    ("Describe a student and her grades.", obj(name=S, grades={"type": "array", "items": N, "maxItems": 5})),
+    ("Describe a company and its address.", obj(name=S, address=obj(street=S, city=S, zip=S))),
+    ("Describe a car.", obj(brand=S, model=S, engine=obj(cylinders=I, fuel={"enum": ["petrol", "diesel", "electric"]}))),
+    ("Give a weather report.", obj(city=S, temperature=N, unit={"enum": ["C", "F"]}, rainy=B)),
+    ("Describe a pet.", obj(["name", "species"], name=S, species={"enum": ["cat", "dog", "bird"]}, age=I)),
+    ("Give a recipe.", obj(title=S, ingredients={"type": "array", "maxItems": 4, "items": obj(item=S, grams=I)})),
+    ("Describe a team of two people.", obj(team=S, members={"type": "array", "minItems": 2, "maxItems": 2,
+                                                            "items": obj(name=S, role=S)})),
+    ("Answer yes or no: is water wet?", obj(answer={"enum": ["yes", "no"]}, confidence=N)),
+    ("Describe an event with a date.", obj(name=S, date={"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"})),
+    ("Give a point in 3D space.", obj(x=N, y=N, z=N)),
+    ("Describe a planet.", obj(name=S, moons=I, rings=B, atmosphere={"type": "array", "items": S, "maxItems": 3})),
+    ("Describe a library with one shelf of books.", obj(
+        library=S, shelf=obj(label=S, books={"type": "array", "maxItems": 2, "items": obj(title=S, year=I)}))),
+]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": obj(city=S, unit={"type": "string", "enum": ["celsius", "fahrenheit"]})}}
+FLIGHT = {"type": "function", "function": {
+    "name": "book_flight", "description": "Book a flight between two cities",
+    "parameters": obj(origin=S, destination=S, passengers={"type": "integer", "minimum": 1, "maximum": 9})}}
+TOOLS = {"get_weather": WEATHER, "book_flight": FLIGHT}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("smollm2")
+    proc, url = launch(None, tmp, "--max-input-tokens", "1536", "--max-total-tokens", "2048",
+                       "--kv-cache-bytes", "256MiB")
+    yield url
+    proc.terminate()
+    proc.wait(30)
+
+
+def ask(content: str) -> list[dict]:
+    return [{"role": "system", "content": "You answer in JSON."}, {"role": "user", "content": content}]
+
+
+def test_twenty_schemas_parse_and_validate(server):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
+        answers = await asyncio.gather(*[client.chat.completions.create(
+            model="tgi", messages=ask(prompt), max_tokens=300, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}})
+            for i, (prompt, schema) in enumerate(SCHEMAS)])
+        await client.close()
+        return answers
+    for (prompt, schema), answer in zip(SCHEMAS, asyncio.run(main())):
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop", (prompt, choice.message.content)
+        jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+def test_tool_calls_under_required_and_named_choice(server):
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
+    cases = [("What's the weather like in Paris?", "required", None),
+             ("Book me a flight from Berlin to Rome for two people.", "required", None),
+             ("I need to fly to Tokyo.", {"type": "function", "function": {"name": "book_flight"}}, "book_flight"),
+             ("Hello!", {"type": "function", "function": {"name": "get_weather"}}, "get_weather")]
+    for prompt, choice, expected in cases:
+        r = client.chat.completions.create(model="tgi", messages=[{"role": "user", "content": prompt}],
+                                           tools=[WEATHER, FLIGHT], tool_choice=choice, max_tokens=200,
+                                           temperature=0)
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        call = r.choices[0].message.tool_calls[0]
+        if isinstance(choice, dict):  # under "required" the choice of tool is the model's
+            assert call.function.name == expected
+        jsonschema.validate(json.loads(call.function.arguments), TOOLS[call.function.name]["function"]["parameters"])
+
+
+def test_seeded_stream_reassembles_to_the_non_streamed_answer(server):
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
+    kw = dict(model="tgi", messages=[{"role": "user", "content": "Write a short poem about the sea."}],
+              max_tokens=60, temperature=0.8, seed=1234)
+    whole = client.chat.completions.create(**kw)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                       if c.choices)
+    assert streamed == whole.choices[0].message.content and len(streamed) > 20
+
+    kw = dict(model="tgi", messages=[{"role": "user", "content": "Weather in Lima, please."}],
+              tools=[WEATHER, FLIGHT], tool_choice="required", max_tokens=200, temperature=0.8, seed=99)
+    call = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
+    name, args = None, ""
+    for c in client.chat.completions.create(stream=True, **kw):
+        for delta in c.choices[0].delta.tool_calls or [] if c.choices else []:
+            name = delta.function.name or name
+            args += delta.function.arguments or ""
+    assert (name, args) == (call.function.name, call.function.arguments)
