@@ -241,3 +241,26 @@ def test_async_client_concurrent_stream_and_not(server):
     whole, text, more = asyncio.run(main())
     assert text == whole.choices[0].message.content
     assert all(m.choices[0].message.content == text for m in more)
+
+
+def test_tokenizer_config_path_template_and_its_errors_are_422(tmp_path):
+    model = tmp_path / "tiny"
+    save_tiny_model("llama", model, vocab_size=320, bos_token_id=256, eos_token_id=257)
+    save_tiny_tokenizer(model)
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({"chat_template": (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
+        "{% endif %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}{{ ''.__class__.__mro__ }}")}))
+    proc, url = launch(str(model), tmp_path, "--tokenizer-config-path", str(config))
+    try:
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": MESSAGES}, timeout=30)
+        assert r.status_code == 422 and r.json() == {"error": "Template error: no system role",
+                                                     "error_type": "template_error"}
+        # the sandbox refuses the attribute walk: a 422, never a 500
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": MESSAGES[1:], "max_tokens": 2}, timeout=30)
+        assert r.status_code == 422 and r.json()["error_type"] == "template_error"
+        r = httpx.post(url + "/chat_tokenize", json={"messages": MESSAGES}, timeout=30)
+        assert r.status_code == 422 and r.json()["error_type"] == "template_error"
+    finally:
+        proc.terminate()
+        proc.wait(30)
