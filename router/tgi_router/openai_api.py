@@ -16,11 +16,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from . import openai_protocol as o
 from . import protocol as p
 from .admission import Admitted, Gate
-from .chat_template import ChatTemplate
-from .chat_template import TemplateError as RenderError
-from .errors import TemplateError
+from .chat_template import ChatTemplate, TemplateError
 from .openai_prepare import PreparedChat, chat_tools, prepare_chat, prepare_completion, render_chat
-from .openai_stream import (chat_chunks, chat_token_logprobs, completion_chunks, completion_logprobs,
+from .openai_stream import (ResponseMeta, chat_chunks, chat_token_logprobs, completion_chunks, completion_logprobs,
                             finish_reason, usage)
 from .request_stream import RequestStream, SequenceResult
 from .responses import timing_headers
@@ -63,7 +61,7 @@ def add_openai_routes(app: FastAPI, gate: Gate) -> None:
             prepared.append(prepare_chat(body, chat_template(), tokenizer, settings.limits))
             return prepared[0].requests
         admitted = await gate.admit(request, prepare)
-        meta = _Meta("chatcmpl-" + secrets.token_hex(12), int(time.time()), model_id, fingerprint)
+        meta = ResponseMeta("chatcmpl-" + secrets.token_hex(12), int(time.time()), model_id, fingerprint)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse(admitted, chat_chunks(gate, admitted, meta, prepared[0].tools, body.logprobs,
@@ -82,7 +80,7 @@ def add_openai_routes(app: FastAPI, gate: Gate) -> None:
     async def completions(request: Request, body: o.CompletionRequest):
         """OpenAI's legacy completions: a prompt or a list of prompts."""
         admitted = await gate.admit(request, lambda: prepare_completion(body, tokenizer, settings.limits))
-        meta = _Meta("cmpl-" + secrets.token_hex(12), int(time.time()), model_id, fingerprint)
+        meta = ResponseMeta("cmpl-" + secrets.token_hex(12), int(time.time()), model_id, fingerprint)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse(admitted, completion_chunks(gate, admitted, meta, body.n, body.logprobs is not None,
@@ -115,18 +113,11 @@ def add_openai_routes(app: FastAPI, gate: Gate) -> None:
                              "templated_text": text})
 
 
-class _Meta:
-    """What every object of one response repeats."""
-
-    def __init__(self, id: str, created: int, model: str, fingerprint: str):
-        self.id, self.created, self.model, self.fingerprint = id, created, model, fingerprint
-
-
 def _load_template(tokenizer) -> tuple[ChatTemplate | None, str]:
     config = tokenizer.config
     try:
         return ChatTemplate(config.chat_template, config.bos_token, config.eos_token), ""
-    except RenderError as err:
+    except TemplateError as err:
         log.warning("the chat template does not compile: %s", err)
         return None, f"the chat template does not compile: {err}"
 

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import pydantic
 
 from .chat_template import DEFAULT_TOOL_PROMPT, ChatTemplate, template_messages
-from .chat_template import TemplateError as RenderError
-from .errors import TemplateError, ToolError, ValidationError
+from .errors import ToolError, ValidationError
 from .grammar import ValidGrammar, closed_schema, json_grammar, regex_grammar
 from .openai_protocol import ChatCompletionRequest, CompletionRequest
 from .protocol import GenerateParameters, GenerateRequest
@@ -37,13 +36,11 @@ class PreparedChat:
 
 def render_chat(body: ChatCompletionRequest, template: ChatTemplate, tools: ToolPlan) -> str:
     """The prompt text: the messages (and tools the template must show)
-    through the chat template; a template failure is TGI's template_error."""
-    try:
-        messages = template_messages(body.messages, template.supports_tools)
-        return template.render(messages, tools=tools.tools, tool_prompt=body.tool_prompt or DEFAULT_TOOL_PROMPT,
-                               add_generation_prompt=True, extra=body.chat_template_kwargs)
-    except RenderError as err:
-        raise TemplateError(str(err)) from None
+    through the chat template; a failure raises chat_template.TemplateError,
+    TGI's 422 template_error."""
+    messages = template_messages(body.messages, template.supports_tools)
+    return template.render(messages, tools=tools.tools, tool_prompt=body.tool_prompt or DEFAULT_TOOL_PROMPT,
+                           add_generation_prompt=True, extra=body.chat_template_kwargs)
 
 
 def prepare_chat(body: ChatCompletionRequest, template: ChatTemplate, tokenizer: RouterTokenizer,

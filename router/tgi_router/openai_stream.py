@@ -11,6 +11,7 @@ fragments that concatenate to the non-streamed `arguments` string.
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from . import openai_protocol as o
 from .admission import Admitted, Gate
@@ -19,10 +20,19 @@ from .request_stream import ErrorEvent, RequestStream, SequenceResult, TokenOut
 from .sequence import FinishReason
 from .tool_calls import ToolCallStream, ToolPlan, new_call_id, parse_tool_call
 
-__all__ = ["chat_chunks", "completion_chunks", "finish_reason", "chat_token_logprobs",
+__all__ = ["ResponseMeta", "chat_chunks", "completion_chunks", "finish_reason", "chat_token_logprobs",
            "completion_logprobs", "usage"]
 
 DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    """What every object of one response repeats."""
+    id: str
+    created: int
+    model: str
+    fingerprint: str
 
 
 def finish_reason(result: SequenceResult, called: bool) -> str:
@@ -67,7 +77,7 @@ def _error(event: ErrorEvent) -> bytes:
     return b"data: " + json.dumps(err).encode() + b"\n\n"
 
 
-async def chat_chunks(gate: Gate, admitted: Admitted, meta, tools: ToolPlan, logprobs: bool,
+async def chat_chunks(gate: Gate, admitted: Admitted, meta: ResponseMeta, tools: ToolPlan, logprobs: bool,
                       include_usage: bool, tokenizer) -> AsyncIterator[bytes]:
     n = len(admitted.streams)
     splitters = [ToolCallStream(may_call=tools.grammar is not None) for _ in range(n)]
@@ -114,7 +124,7 @@ async def chat_chunks(gate: Gate, admitted: Admitted, meta, tools: ToolPlan, log
     yield DONE
 
 
-async def completion_chunks(gate: Gate, admitted: Admitted, meta, n: int, logprobs: bool, echo: bool,
+async def completion_chunks(gate: Gate, admitted: Admitted, meta: ResponseMeta, n: int, logprobs: bool, echo: bool,
                             include_usage: bool) -> AsyncIterator[bytes]:
     tokenizer = gate.engine.tokenizer
     offsets = [0] * len(admitted.streams)
