@@ -41,6 +41,9 @@ class Sequence:
     # What the shards already know, so a step sends only the difference.
     shard_tokens: int = 0
     shard_blocks: int = 0
+    # Prefix hashes of the first full blocks of token_ids (filled lazily by
+    # the scheduler); they depend on the tokens only, so they outlive preemption.
+    block_hashes: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         self.prompt_length = self.prompt_length or len(self.token_ids)

@@ -10,8 +10,6 @@ import threading
 import time
 
 import pytest
-from llguidance import LLMatcher, LLTokenizer
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from tgi_router import grammar as grammar_module
 from tgi_router.errors import ValidationError, error_response
@@ -19,30 +17,6 @@ from tgi_router.grammar import (JSON_OPTIONS, ValidGrammar, closed_schema,
                                 json_grammar, lark_grammar, regex_grammar)
 
 # --------------------------------------------------------------- matcher
-
-
-@pytest.fixture(scope="module")
-def byte_tokenizer():
-    """A byte-level BPE over the 256 bytes plus <s>=256, </s>=257 (eos)."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=ord))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>"])
-    return tok, LLTokenizer(tok.to_str(), n_vocab=258, eos_token=[257])
-
-
-@pytest.fixture(scope="module")
-def accepts(byte_tokenizer):
-    """accepts(grammar_text, text): the grammar admits `text` as a complete answer."""
-    tok, lltok = byte_tokenizer
-
-    def check(text_of_grammar: str, text: str) -> bool:
-        matcher = LLMatcher(lltok, text_of_grammar, log_level=0)
-        ids = tok.encode(text, add_special_tokens=False).ids
-        return matcher.consume_tokens(ids) and not matcher.is_error() and matcher.is_accepting()
-    return check
 
 
 def grammars_of(valid: ValidGrammar) -> list[dict]:

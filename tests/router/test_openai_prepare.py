@@ -7,7 +7,7 @@ requests with reproducible seeds. The tokenizer is a real byte-level BPE
 import json
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import processors
 
 from tgi_router.chat_template import DEFAULT_TOOL_PROMPT, ChatTemplate
 from tgi_router.errors import (TemplateError, TGIError, ToolError,
@@ -17,9 +17,10 @@ from tgi_router.openai_prepare import (MAX_CHOICES, PreparedChat, prepare_chat,
                                        prepare_completion)
 from tgi_router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tgi_router.tokenizer import RouterTokenizer
+
+from .conftest import BOS, EOS, byte_level_tokenizer
 from tgi_router.validation import ValidationLimits
 
-BOS, EOS = 256, 257
 PLAIN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                   "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 TOOLS_TEMPLATE = ("{{ bos_token }}{% if tools %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"
@@ -35,11 +36,7 @@ HELLO = [{"role": "user", "content": "Hi!"}]
 
 @pytest.fixture(scope="module")
 def tokenizer() -> RouterTokenizer:
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(sorted(alphabet, key=ord))}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>"])
+    tok = byte_level_tokenizer()
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
     config = {"chat_template": PLAIN_TEMPLATE, "bos_token": "<s>", "eos_token": "</s>",
               "all_special_ids": [BOS, EOS]}

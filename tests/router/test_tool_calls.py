@@ -6,8 +6,6 @@ splitting a streamed call into its name and argument fragments."""
 import json
 
 import pytest
-from llguidance import LLMatcher, LLTokenizer
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from tgi_router.errors import ToolError, error_response
 from tgi_router.tool_calls import (ToolCall, ToolCallStream, ToolPlan,
@@ -43,24 +41,6 @@ INVALID_CALLS = {
     "compact separators": '{"name":"ping","arguments":{}}',
     "trailing text": '{"name": "ping", "arguments": {}} ok',
 }
-
-
-@pytest.fixture(scope="module")
-def accepts():
-    """accepts(grammar_text, text): the grammar admits `text` as a complete
-    answer; a byte-level BPE, one token per byte, </s>=257 as eos."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(sorted(alphabet, key=ord))}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>"])
-    lltok = LLTokenizer(tok.to_str(), n_vocab=258, eos_token=[257])
-
-    def check(grammar_text: str, text: str) -> bool:
-        matcher = LLMatcher(lltok, grammar_text, log_level=0)
-        ok = matcher.consume_tokens(tok.encode(text, add_special_tokens=False).ids)
-        return ok and not matcher.is_error() and matcher.is_accepting()
-    return check
 
 
 # ------------------------------------------------------------------ plans
