@@ -3,7 +3,12 @@ real unix socket, and a driver that runs prompts through the router's
 scheduler to completion."""
 
 import asyncio
+import os
+import socket as socketlib
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -100,17 +105,81 @@ class InProcessShard:
         self._thread.join(10)
 
 
-async def run_prompts(socket: str, prompts: list[list[int]], max_new_tokens: int,
+def free_port() -> int:
+    with socketlib.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ShardProcesses:
+    """`text-generation-server serve` once per rank, with the environment the
+    launcher gives it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); on CPU
+    the group talks over gloo. `sockets` are in rank order; `log(rank)` is a
+    shard's stdout so far."""
+
+    def __init__(self, tmp_path: Path, model_id: str, world_size: int, *args: str,
+                 dtype: str = "float32", device: str = "cpu", num_threads: int = 1):
+        self.tmp_path, self.world_size = tmp_path, world_size
+        uds = str(tmp_path / f"tp{world_size}")
+        self.sockets = [f"{uds}-{rank}" for rank in range(world_size)]
+        port = free_port()
+        self.processes: list[subprocess.Popen] = []
+        for rank in range(world_size):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), PYTHONUNBUFFERED="1")
+            with open(self._log_path(rank), "w") as out:
+                self.processes.append(subprocess.Popen(
+                    [sys.executable, "-m", "tgi_server.cli", "serve", model_id, "--uds-path", uds,
+                     "--dtype", dtype, "--device", device, "--num-threads", str(num_threads), *args],
+                    env=env, stdout=out, stderr=subprocess.STDOUT))
+
+    def _log_path(self, rank: int) -> Path:
+        return self.tmp_path / f"tp{self.world_size}-rank{rank}.log"
+
+    def log(self, rank: int) -> str:
+        return self._log_path(rank).read_text()
+
+    def __enter__(self) -> "ShardProcesses":
+        deadline = time.monotonic() + 120
+        try:
+            for rank, path in enumerate(self.sockets):
+                while not os.path.exists(path):
+                    if self.processes[rank].poll() is not None:
+                        raise RuntimeError(f"shard {rank} exited: {self.log(rank)[-2000:]}")
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"shard {rank} did not start: {self.log(rank)[-2000:]}")
+                    time.sleep(0.05)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.processes:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.processes:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+async def run_prompts(socket: str | list[str], prompts: list[list[int]], max_new_tokens: int,
                       params: list[pb.SamplingParameters] | None = None, stop_ids=(),
                       max_batch_tokens: int = 4096, arrivals: list[int] | None = None,
-                      warmup_tokens: int = 256, stats: dict | None = None) -> list[Sequence]:
-    """Generates for every prompt in one continuous batch over gRPC.
+                      warmup_tokens: int = 256, stats: dict | None = None,
+                      prefix_caching: bool = True) -> list[Sequence]:
+    """Generates for every prompt in one continuous batch over gRPC, on one
+    shard or on every rank of a group (`socket` a list, in rank order).
 
-    arrivals[i] is the step at which prompt i joins (staggered arrivals)."""
-    client = ShardClient([socket], timeout=120)
+    arrivals[i] is the step at which prompt i joins (staggered arrivals).
+    stats, when given, receives the preemptions and prefix-cache hit tokens."""
+    client = ShardClient([socket] if isinstance(socket, str) else socket, timeout=120)
     try:
         warm = await client.warmup(warmup_tokens, 64)
-        scheduler = Scheduler(BlockManager(warm.num_blocks, warm.block_size), max_batch_tokens)
+        scheduler = Scheduler(BlockManager(warm.num_blocks, warm.block_size, prefix_caching), max_batch_tokens)
         engine = Engine(client, scheduler)
         seqs = [Sequence(id=i + 1, token_ids=list(p), params=(params or [greedy()] * len(prompts))[i],
                          stopping=StoppingCriteria(max_new_tokens, frozenset(stop_ids)))
@@ -124,6 +193,7 @@ async def run_prompts(socket: str, prompts: list[list[int]], max_new_tokens: int
             step += 1
         if stats is not None:
             stats["preemptions"] = scheduler.num_preemptions
+            stats["hit_tokens"] = scheduler.take_stats().hit_tokens
         return seqs
     finally:
         await client.close()

@@ -126,7 +126,7 @@ _FLAGS = (
     _Flag("revision", str, "hub revision: a commit id or a branch such as refs/pr/2"),
     _Flag("dtype", _choice(DTYPES), f"dtype forced on the model: {', '.join(DTYPES)}"),
     _Flag("sharded", _bool, "shard the model over every visible GPU (true/false)"),
-    _Flag("num_shard", _count, "number of shards (tensor parallelism is not supported yet: 1)"),
+    _Flag("num_shard", _count, "number of tensor-parallel shards (default: visible GPUs, else 1)"),
     _Flag("quantize", _choice(QUANTIZE), "quantization method (not supported yet)"),
     _Flag("trust_remote_code", None, "accepted for compatibility: no hub code is ever run"),
     _Flag("max_concurrent_requests", _count, "requests in flight before 429 (default: 128)"),
@@ -266,8 +266,8 @@ def visible_devices(env: Mapping[str, str]) -> int | None:
 
 
 def _num_shard(sharded: bool | None, num_shard: int | None, env: Mapping[str, str]) -> int:
-    # TGI's find_num_shards, except that with neither flag one shard runs
-    # (TGI would use every visible GPU; tensor parallelism is not here yet).
+    """TGI's find_num_shards: --sharded true takes every visible device;
+    neither flag takes every visible device too, or one shard without any."""
     if sharded and num_shard is None:
         found = visible_devices(env)
         if found is None:
@@ -278,8 +278,8 @@ def _num_shard(sharded: bool | None, num_shard: int | None, env: Mapping[str, st
         num_shard = found
     elif sharded and num_shard is not None and num_shard <= 1:
         raise ConfigError("`sharded` is true but `num_shard` <= 1")
-    elif sharded is False or num_shard is None:
-        num_shard = 1
+    elif num_shard is None:
+        num_shard = 1 if sharded is False else (visible_devices(env) or 1)
     if num_shard < 1:
         raise ConfigError("`num_shard` cannot be < 1")
     return num_shard
@@ -288,8 +288,6 @@ def _num_shard(sharded: bool | None, num_shard: int | None, env: Mapping[str, st
 def _validate(c: RouterConfig) -> None:
     if c.quantize is not None:
         raise ConfigError(f"--quantize {c.quantize} is not supported yet")
-    if c.num_shard > 1:
-        raise ConfigError(f"tensor parallelism is not supported yet (--num-shard {c.num_shard})")
     if c.waiting_served_ratio < 0:
         raise ConfigError(f"`waiting_served_ratio` must be >= 0. Given: {c.waiting_served_ratio}")
     if c.max_batch_size == 0:

@@ -39,8 +39,11 @@ def shard_command(config: RouterConfig, rank: int) -> list[str]:
     if config.model_id:
         command.append(config.model_id)
     command += ["--uds-path", config.shard_uds_path]
+    # Ranks share the CPU: torch's default (every core each) would oversubscribe it.
+    threads = config.num_threads or (max(1, (os.cpu_count() or 1) // config.num_shard)
+                                     if config.num_shard > 1 else 0)
     for flag, value in (("--dtype", config.dtype), ("--revision", config.revision),
-                        ("--kv-cache-bytes", config.kv_cache_bytes), ("--num-threads", config.num_threads)):
+                        ("--kv-cache-bytes", config.kv_cache_bytes), ("--num-threads", threads)):
         if value:
             command += [flag, str(value)]
     return command

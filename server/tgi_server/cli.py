@@ -45,23 +45,28 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> ShardConfig:
     if args.block_size < 1 or args.block_size & (args.block_size - 1):
         raise SystemExit("error: --block-size must be a power of two")
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if not 0 <= rank < world_size:
+        raise SystemExit(f"error: RANK={rank} is not a rank of WORLD_SIZE={world_size}")
     return ShardConfig(
         model_id=args.model_id, revision=args.revision, uds_path=args.uds_path, dtype=args.dtype,
         device=args.device, block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
         attention_backend=args.attention_backend, num_threads=args.num_threads,
-        rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        rank=rank, world_size=world_size, master_addr=os.environ.get("MASTER_ADDR", "localhost"),
+        master_port=int(os.environ.get("MASTER_PORT", "29500")))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     _setup_logging(args.json_output)
     config = config_from_args(args)
+    from .distributed import TensorParallelError
     from .shard import load_shard, run_shard
     from .weights.errors import CheckpointError
 
     try:
         runner, info = load_shard(config)
-    except (CheckpointError, ValueError) as err:
+    except (CheckpointError, TensorParallelError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
     try:

@@ -1,5 +1,6 @@
 """The shard's configuration: one frozen dataclass built from flags and the
-environment variables the launcher sets (RANK, WORLD_SIZE, ...)."""
+environment variables the launcher sets (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT)."""
 
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ class ShardConfig:
     num_threads: int            # torch intra-op threads on CPU; 0: torch's default
     rank: int = 0
     world_size: int = 1
+    master_addr: str = "localhost"  # where rank 0 hosts the tensor-parallel rendezvous
+    master_port: int = 29500
 
     @property
     def socket_path(self) -> str:

@@ -9,11 +9,13 @@ CPU_CAP = 4 << 30
 CUDA_FRACTION = 0.9         # of free device memory after Warmup's largest step
 
 
-def kv_cache_budget(device: torch.device) -> int:
+def kv_cache_budget(device: torch.device, world_size: int = 1) -> int:
+    """Bytes for this rank's cache. The ranks of a CPU group share the host's
+    memory, so each takes 1/world_size of the host's share; a GPU is a rank's own."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * CUDA_FRACTION)
-    return int(min(_mem_available() * CPU_FRACTION, CPU_CAP))
+    return int(min(_mem_available() * CPU_FRACTION, CPU_CAP) / world_size)
 
 
 def _mem_available() -> int:

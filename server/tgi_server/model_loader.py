@@ -1,6 +1,7 @@
-"""Loads a resolved checkpoint into our model on the serving device and dtype."""
+"""Loads a resolved checkpoint into our model on the serving device and dtype:
+`open_checkpoint` reads the model's facts (no weights yet), `load_model`
+builds this rank's slice of the model from them."""
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -8,10 +9,11 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from .distributed import TensorParallel
 from .models import ModelConfig, build_model
 from .weights.errors import CheckpointError
 from .weights.resolve import ModelSource
-from .weights.source import DictSource, SafetensorsSource, TensorSource
+from .weights.source import GGUFSource, SafetensorsSource, TensorSource
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -19,10 +21,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass(frozen=True)
 class LoadedModel:
     model: nn.Module
-    config: ModelConfig
+    config: ModelConfig         # the whole model's facts (head counts of all ranks together)
     dtype: torch.dtype
     device: torch.device
-    load_seconds: float
+    tp: TensorParallel          # the group the model is a slice for
+    weight_bytes: int           # this rank's parameters, prepacked ones included
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -41,21 +44,15 @@ def _cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    start = time.perf_counter()
-    hf_config, weights = _open(source, dtype, device)
-    config = ModelConfig.from_hf(hf_config)
-    with torch.device(device):
-        model = build_model(weights, config).eval()
-    return LoadedModel(model, config, dtype, device, time.perf_counter() - start)
-
-
-def _open(source: ModelSource, dtype: torch.dtype, device: torch.device) -> tuple[PretrainedConfig, TensorSource]:
+def open_checkpoint(source: ModelSource, dtype: torch.dtype,
+                    device: torch.device) -> tuple[ModelConfig, TensorSource]:
+    """The model's facts and a source of its tensors in (dtype, device); reads
+    no weight. CheckpointError when the checkpoint cannot be served."""
     if source.format == "gguf":
-        from .weights.gguf import load_gguf
+        from .weights.gguf import GGUFFile
 
-        checkpoint = load_gguf(source.path, dtype)
-        return _config_from_dict(checkpoint.config), DictSource(checkpoint.tensors, dtype, device)
+        file = GGUFFile(source.path)
+        return ModelConfig.from_hf(_config_from_dict(file.config)), GGUFSource(file, dtype, device)
     try:
         hf_config = AutoConfig.from_pretrained(source.path)
     except (OSError, ValueError, KeyError) as err:
@@ -64,7 +61,31 @@ def _open(source: ModelSource, dtype: torch.dtype, device: torch.device) -> tupl
     if quant:
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
         raise CheckpointError(f"quantized checkpoints ({method}) are not supported yet")
-    return hf_config, SafetensorsSource(source.path, dtype, device)
+    return ModelConfig.from_hf(hf_config), SafetensorsSource(source.path, dtype, device)
+
+
+def load_model(config: ModelConfig, weights: TensorSource, tp: TensorParallel) -> LoadedModel:
+    """This rank's slice of the model; the caller has checked that `config`
+    splits over tp.world_size (ModelConfig.check_tensor_parallel)."""
+    with torch.device(weights.device):
+        model = build_model(weights, config, tp).eval()
+    return LoadedModel(model, config, weights.dtype, weights.device, tp, weight_bytes(model))
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's distinct weights: parameters (a tied weight once)
+    and the oneDNN-prepacked linear weights, which are not parameters."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        tensors = list(module.parameters(recurse=False))
+        packed = getattr(module, "packed", None)
+        if packed is not None:
+            tensors.append(packed)
+        for t in tensors:
+            # A prepacked (opaque) tensor has no data pointer to share: key it by identity.
+            key = id(t) if t.is_mkldnn else t.data_ptr()
+            seen[key] = t.numel() * t.element_size()
+    return sum(seen.values())
 
 
 def _config_from_dict(config: dict) -> PretrainedConfig:

@@ -1,5 +1,11 @@
 """One shard's engine: sequence state, KV cache, forward pass and sampling.
 
+Under tensor parallelism every rank applies every step (sequence table, its
+slice of the KV cache, the forward with its collectives); rank 0 alone
+samples, and the router reads rank 0's answers only. Warmup, Health and Step
+run the same collectives in the same order on every rank; Info, Release and
+ClearCache run none.
+
 Not thread-safe: the service calls it from one thread, one call at a time."""
 
 import math
@@ -12,7 +18,7 @@ from tgi_proto import pb
 
 from .batch import StepBatch, build_batch
 from .grammar import GrammarCompiler
-from .kv_cache import KVCache
+from .kv_cache import KVCache, KVCacheSpec
 from .layers.attention import ForwardContext
 from .memory import kv_cache_budget
 from .model_loader import LoadedModel
@@ -22,31 +28,39 @@ from .sequences import SequenceTable, ShardSequence
 
 class ModelRunner:
     """grammars: compiles the grammars of constrained requests; None when the
-    shard has no tokenizer (a grammar is then an invalid step)."""
+    shard has no tokenizer (a grammar is then an invalid step) and on ranks
+    > 0, which do not sample."""
 
     def __init__(self, loaded: LoadedModel, block_size: int, attention_backend: str | None,
                  kv_cache_bytes: int, grammars: GrammarCompiler | None = None):
-        self.loaded = loaded
         self.model = loaded.model
         self.config = loaded.config
         self.device = loaded.device
+        self.tp = loaded.tp
+        self.samples = self.tp.rank == 0
         self.block_size = block_size
         self.backend = select_backend(self.device, attention_backend)
-        self.kv_cache_bytes = kv_cache_bytes  # the shard's flag; 0 = automatic
+        self.kv_cache_bytes = kv_cache_bytes  # the shard's flag, per rank; 0 = automatic
         self.sampler = Sampler()
         self.grammars = grammars
+        self.kv_spec = KVCacheSpec(self.config.num_layers, self.model.heads.num_kv_heads,
+                                   self.config.head_dim, block_size, loaded.dtype)
         # Until Warmup sizes it, the cache holds only the scratch block.
-        self.cache = KVCache(self.config, 0, block_size, loaded.dtype, self.device)
-        self.table = SequenceTable(block_size, 0, self.config.vocab_size, grammars)
+        self.cache = KVCache(self.kv_spec, 0, self.device)
+        self.table = self._table(0)
         self.warmed_up = False
+
+    def _table(self, num_blocks: int) -> SequenceTable:
+        return SequenceTable(self.block_size, num_blocks, self.config.vocab_size, self.grammars, self.samples)
 
     # -- warmup and health -------------------------------------------------
     def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
         """Runs the largest prefill and decode steps on the scratch block, then
-        allocates the KV cache from the memory budget."""
+        allocates the KV cache from the memory budget (per rank); every rank
+        of a group takes the smallest rank's number of blocks."""
         start = time.perf_counter_ns()
         self.table.clear()
-        self.cache = KVCache(self.config, 0, self.block_size, self.loaded.dtype, self.device)
+        self.cache = KVCache(self.kv_spec, 0, self.device)
         prefill_tokens = max(1, request.max_batch_prefill_tokens or 4096)
         batch_size = max(1, min(request.max_batch_size or 256, prefill_tokens))
         if self.device.type == "cuda":
@@ -54,11 +68,11 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.run_scratch(prefill_tokens, min(batch_size, 8), decode=False)
         self.run_scratch(batch_size, batch_size, decode=True)
-        budget = request.kv_cache_bytes or self.kv_cache_bytes or kv_cache_budget(self.device)
-        per_block = KVCache.bytes_per_block(self.config, self.block_size, self.loaded.dtype)
-        num_blocks = int(max(1, budget // per_block - 1))  # one block stays the scratch block
-        self.cache = KVCache(self.config, num_blocks, self.block_size, self.loaded.dtype, self.device)
-        self.table = SequenceTable(self.block_size, num_blocks, self.config.vocab_size, self.grammars)
+        budget = request.kv_cache_bytes or self.kv_cache_bytes or kv_cache_budget(self.device, self.tp.world_size)
+        num_blocks = int(max(1, budget // self.kv_spec.bytes_per_block - 1))  # one block stays the scratch block
+        num_blocks = self.tp.min_over_ranks(num_blocks)
+        self.cache = KVCache(self.kv_spec, num_blocks, self.device)
+        self.table = self._table(num_blocks)
         self.warmed_up = True
         return pb.WarmupResponse(
             num_blocks=num_blocks, block_size=self.block_size, kv_cache_bytes=self.cache.nbytes,
@@ -94,7 +108,7 @@ class ModelRunner:
     # -- steps -------------------------------------------------------------
     def step(self, request: pb.StepRequest) -> pb.StepResponse:
         t0 = time.perf_counter_ns()
-        seqs = self.table.apply(request)
+        seqs = self.table.apply(request, self.tp.all_true)
         if not seqs:
             return pb.StepResponse(step_id=request.step_id, timings=pb.Timings(total_ns=time.perf_counter_ns() - t0))
         try:
@@ -124,9 +138,13 @@ class ModelRunner:
             kv_caches=self.cache.layers, backend=self.backend)
 
     def _generations(self, batch: StepBatch, logits: torch.Tensor) -> dict[int, pb.Generation]:
+        """Rank 0: sampled tokens and logprobs. Ranks > 0 answer with each
+        sequence's computed-token count only (nobody reads their tokens)."""
         sampling = batch.samplers
         out = {s.id: pb.Generation(id=s.id, num_computed_tokens=s.num_computed + s.scheduled)
                for s in batch.seqs}
+        if not self.samples:
+            return out
         if sampling:
             rows = batch.sample_rows
             # Usually every logits row samples: skip a copy of [S, vocab].

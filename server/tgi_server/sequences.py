@@ -1,6 +1,7 @@
 """Per-sequence state a shard keeps between steps, updated from the router's
 messages: new sequences arrive in full, running ones as differences."""
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tgi_proto import pb
@@ -43,18 +44,24 @@ def params_from_proto(p: pb.SamplingParameters) -> SamplingParams:
         seed=p.seed, top_n_tokens=p.top_n_tokens)
 
 
+def _alone(ok: bool) -> bool:
+    return ok
+
+
 class SequenceTable:
     """All live sequences of this shard, by id.
 
     `grammars` compiles the grammars of new sequences; None (a shard without a
-    tokenizer) refuses them."""
+    tokenizer) refuses them. samples=False (tensor-parallel ranks > 0, which
+    never sample) ignores grammars: rank 0 alone compiles and checks them."""
 
     def __init__(self, block_size: int, num_blocks: int, vocab_size: int,
-                 grammars: GrammarCompiler | None = None):
+                 grammars: GrammarCompiler | None = None, samples: bool = True):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vocab_size = vocab_size
         self.grammars = grammars
+        self.samples = samples
         self._seqs: dict[int, ShardSequence] = {}
 
     def __len__(self) -> int:
@@ -66,10 +73,33 @@ class SequenceTable:
     def clear(self) -> None:
         self._seqs.clear()
 
-    def apply(self, request: pb.StepRequest) -> list[ShardSequence]:
+    def apply(self, request: pb.StepRequest, agree: Callable[[bool], bool] = _alone) -> list[ShardSequence]:
         """Applies releases, new sequences and deltas; returns the scheduled
         sequences (running, then new, in request order) with `scheduled` set.
-        Validates everything before changing anything."""
+
+        Validates everything before changing anything but the releases, then
+        calls `agree(valid)` exactly once: it answers whether every rank of a
+        tensor-parallel group found the step valid (rank 0 alone checks
+        grammars), so that all ranks run the step or none does."""
+        try:
+            staged = self._stage(request)
+        except Exception:
+            agree(False)
+            raise
+        if not agree(True):
+            raise StepError("another shard rejected the step")
+        scheduled_seqs = []
+        for seq, tokens, blocks, scheduled in staged:
+            seq.token_ids.extend(tokens)
+            seq.block_table.extend(blocks)
+            seq.scheduled = scheduled
+            self._seqs[seq.id] = seq
+            scheduled_seqs.append(seq)
+        return scheduled_seqs
+
+    def _stage(self, request: pb.StepRequest) -> list[tuple[ShardSequence, list[int], list[int], int]]:
+        """Validates the request and applies its releases; returns per scheduled
+        sequence (seq, tokens to append, blocks to append, tokens scheduled)."""
         seen: set[int] = set()
         for r in request.running:
             if r.id not in self._seqs or r.id in request.release_ids:
@@ -89,16 +119,9 @@ class SequenceTable:
                                 f"vocabulary (size {self.vocab_size})")
         # Grammars compile only once the tokens they consume are known to be valid.
         for (seq, tokens, _, _), n in zip(staged[len(request.running):], request.new_sequences):
-            if n.parameters.grammar:
+            if n.parameters.grammar and self.samples:
                 seq.grammar = self._grammar(seq.id, n.parameters.grammar, tokens[seq.prompt_length:])
-        scheduled_seqs = []
-        for seq, tokens, blocks, scheduled in staged:
-            seq.token_ids.extend(tokens)
-            seq.block_table.extend(blocks)
-            seq.scheduled = scheduled
-            self._seqs[seq.id] = seq
-            scheduled_seqs.append(seq)
-        return scheduled_seqs
+        return staged
 
     def _delta(self, r: pb.RunningSequence):
         return self._seqs[r.id], list(r.append_token_ids), list(r.new_block_ids), r.num_scheduled_tokens

@@ -5,14 +5,16 @@ import contextlib
 import logging
 import os
 import signal
+import time
 
 import torch
 
 from tgi_proto import pb
 
 from .config import ShardConfig
+from .distributed import TensorParallel
 from .grammar import GrammarCompiler
-from .model_loader import DTYPES, default_dtype, load_model
+from .model_loader import DTYPES, default_dtype, load_model, open_checkpoint
 from .model_runner import ModelRunner
 from .service import serve
 from .weights.resolve import resolve_model
@@ -21,35 +23,54 @@ from .weights.tokenizer_export import export_tokenizer
 log = logging.getLogger("tgi_server")
 
 
-def pick_device(name: str | None) -> torch.device:
-    if name is None:
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
+def pick_device(name: str | None, rank: int = 0) -> torch.device:
+    """`name`, or CUDA when available, else the CPU; a CUDA device without an
+    index is this rank's GPU, cuda:{rank}."""
+    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but no CUDA device is available")
+    if device.index is None:
+        if rank >= torch.cuda.device_count():
+            raise ValueError(f"shard {rank} needs cuda:{rank} but only {torch.cuda.device_count()} "
+                             "CUDA devices are visible")
+        device = torch.device("cuda", rank)
     return device
 
 
 def load_shard(config: ShardConfig) -> tuple[ModelRunner, pb.InfoResponse]:
+    """Loads this rank's slice of the model. A model that does not split over
+    the world size fails (ValueError) before any weight is read and before
+    the group forms."""
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
-    device = pick_device(config.device)
+    device = pick_device(config.device, config.rank)
     dtype = DTYPES[config.dtype] if config.dtype else default_dtype(device)
     source = resolve_model(config.model_id, config.revision)
     log.info("loading %s (%s) as %s on %s", source.model_id, source.path, str(dtype).removeprefix("torch."), device)
-    loaded = load_model(source, dtype, device)
+    start = time.perf_counter()
+    c, weights = open_checkpoint(source, dtype, device)
+    c.check_tensor_parallel(config.world_size)
+    tp = TensorParallel.connect(config.rank, config.world_size, config.master_addr, config.master_port, device)
+    loaded = load_model(c, weights, tp)
     tokenizer_json, tokenizer_config_json = export_tokenizer(source)
-    c = loaded.config
-    grammars = GrammarCompiler(tokenizer_json, c.vocab_size, c.eos_token_ids) if tokenizer_json else None
+    # Rank 0 alone samples, so it alone compiles grammars.
+    grammars = (GrammarCompiler(tokenizer_json, c.vocab_size, c.eos_token_ids)
+                if tokenizer_json and tp.rank == 0 else None)
     runner = ModelRunner(loaded, config.block_size, config.attention_backend, config.kv_cache_bytes, grammars)
-    log.info("loaded %s: %d layers in %.1f s; attention backend %s",
-             c.model_type, c.num_layers, loaded.load_seconds, runner.backend)
+    heads = loaded.model.heads
+    log.info("loaded %s: %d layers in %.1f s; attention backend %s; shard %d of %d holds %d of %d query "
+             "heads, %d of %d kv heads, %.1f MiB of weights (%d bytes)",
+             c.model_type, c.num_layers, time.perf_counter() - start, runner.backend, tp.rank, tp.world_size,
+             heads.num_heads, c.num_heads, heads.num_kv_heads, c.num_kv_heads,
+             loaded.weight_bytes / 2**20, loaded.weight_bytes)
     info = pb.InfoResponse(
         model_id=source.model_id, model_type=c.model_type, dtype=str(dtype).removeprefix("torch."),
         device=str(device), block_size=config.block_size, max_position_embeddings=c.max_position_embeddings,
         vocab_size=c.vocab_size, eos_token_ids=list(c.eos_token_ids), num_layers=c.num_layers,
-        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, sliding_window=max(c.sliding_windows),
-        attention_backend=runner.backend, rank=config.rank, world_size=config.world_size,
+        num_kv_heads=heads.num_kv_heads, head_dim=c.head_dim, sliding_window=max(c.sliding_windows),
+        attention_backend=runner.backend, rank=tp.rank, world_size=tp.world_size,
         bos_token_id=c.bos_token_id if c.bos_token_id is not None else 0,
         tokenizer_json=tokenizer_json, tokenizer_config_json=tokenizer_config_json)
     return runner, info
@@ -70,3 +91,4 @@ async def run_shard(runner: ModelRunner, info: pb.InfoResponse, socket_path: str
     finally:
         with contextlib.suppress(FileNotFoundError):  # grpc may have removed it
             os.unlink(socket_path)
+        runner.tp.close()

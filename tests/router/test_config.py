@@ -111,12 +111,16 @@ def test_log_level_comes_from_tgis_variable():
     assert parse_args([], {"LOG_LEVEL": "nonsense"}).log_level == "info"
 
 
-def test_neither_sharded_nor_num_shard_runs_one_shard_whatever_is_visible():
-    assert parse_args([], {"CUDA_VISIBLE_DEVICES": "0,1"}).num_shard == 1
-
-
-def test_sharded_false_runs_one_shard():
-    assert parse_args(["--sharded", "false"], {"CUDA_VISIBLE_DEVICES": "0,1"}).num_shard == 1
+@pytest.mark.parametrize("args, env, shards", [
+    ([], {"CUDA_VISIBLE_DEVICES": "0,1"}, 2),    # TGI: every visible device
+    ([], {}, 1),
+    (["--sharded", "false"], {"CUDA_VISIBLE_DEVICES": "0,1"}, 1),
+    (["--sharded", "false", "--num-shard", "3"], {}, 3),
+    (["--sharded", "true"], {"CUDA_VISIBLE_DEVICES": "0,1,2"}, 3),
+    (["--num-shard", "2"], {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, 2),
+])
+def test_number_of_shards_as_tgi_finds_it(args, env, shards):
+    assert parse_args(args, env).num_shard == shards
 
 
 def test_prefill_budget_below_max_input_is_accepted_as_tgi_3_does_with_chunking():
@@ -132,11 +136,9 @@ INVALID = [
     (["--quantize", "q9"], {}, "possible values: awq"),
     (["--quantize", "gptq"], {}, "--quantize gptq is not supported yet"),
     ([], {"QUANTIZE": "awq"}, "--quantize awq is not supported yet"),
-    (["--num-shard", "2"], {}, "tensor parallelism is not supported yet"),
     (["--num-shard", "0"], {}, "`num_shard` cannot be < 1"),
     (["--sharded", "true"], {}, "--num-shard and CUDA_VISIBLE_DEVICES/NVIDIA_VISIBLE_DEVICES/ZE_AFFINITY_MASK are not set"),
     (["--sharded", "true"], {"CUDA_VISIBLE_DEVICES": "0"}, "`sharded` is true but only found 1 CUDA devices"),
-    (["--sharded", "true"], {"CUDA_VISIBLE_DEVICES": "0,1"}, "tensor parallelism is not supported yet (--num-shard 2)"),
     (["--sharded", "true", "--num-shard", "1"], {}, "`sharded` is true but `num_shard` <= 1"),
     (["--sharded", "maybe"], {}, "expected true or false"),
     (["--max-input-tokens", "5", "--max-total-tokens", "5"], {}, "`max_input_tokens`(5) must be < `max_total_tokens`(5)"),

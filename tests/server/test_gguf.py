@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from tgi_server.weights.errors import CheckpointError
-from tgi_server.weights.gguf import load_gguf, load_gguf_tokenizer
+from tgi_server.weights.gguf import GGUFFile, load_gguf, load_gguf_tokenizer
+from tgi_server.weights.source import GGUFSource
 
 Q = gguf.GGMLQuantizationType
 TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, inter=128, vocab=96, layers=2)
@@ -125,6 +126,19 @@ def test_quantized_weights_stay_close_to_the_originals(tmp_path):
     ckpt = load_gguf(write_tiny_gguf(tmp_path / "llama.gguf", "llama", hf, Q.Q8_0), torch.float32)
     q = "model.layers.1.self_attn.q_proj.weight"
     np.testing.assert_allclose(ckpt.tensors[q].numpy(), hf[q], atol=0.05)
+
+
+def test_a_slice_is_those_rows_or_columns_of_the_whole_unpermuted_tensor(tmp_path):
+    """What a tensor-parallel rank loads: a head-aligned block of q rows, a
+    block of o_proj columns, in the serving dtype."""
+    hf = tiny_hf_tensors(bias=False, tied=True)
+    source = GGUFSource(GGUFFile(write_tiny_gguf(tmp_path / "llama.gguf", "llama", hf, Q.Q8_0)),
+                        torch.bfloat16, torch.device("cpu"))
+    q, o = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+    assert torch.equal(source.get_slice(q, 0, 32, 64), source.get(q)[32:64])
+    assert torch.equal(source.get_slice(o, 1, 0, 32), source.get(o)[:, :32])
+    assert source.get_slice(q, 0, 32, 64).dtype == torch.bfloat16
+    assert not source.has("lm_head.weight")
 
 
 def test_llama_config_fields(tmp_path):

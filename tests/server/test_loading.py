@@ -65,16 +65,19 @@ def test_hub_id_loads_from_local_cache_without_network(tmp_path, monkeypatch):
 
 
 def test_sharded_safetensors_index_loads(tmp_path):
+    import torch
     import transformers
 
-    from tgi_server.model_loader import load_model
+    from tgi_server.distributed import TensorParallel
+    from tgi_server.model_loader import load_model, open_checkpoint
 
     path = save_tiny_model("llama", tmp_path / "m")
     model = transformers.LlamaForCausalLM.from_pretrained(path)
     shutil.rmtree(path)
     model.save_pretrained(path, max_shard_size="50KB")
     assert (path / "model.safetensors.index.json").exists()
-    loaded = load_model(resolve_model(str(path)), __import__("torch").float32, __import__("torch").device("cpu"))
+    config, weights = open_checkpoint(resolve_model(str(path)), torch.float32, torch.device("cpu"))
+    loaded = load_model(config, weights, TensorParallel())
     assert loaded.config.num_layers == 2
 
 

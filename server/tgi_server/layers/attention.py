@@ -1,4 +1,5 @@
-"""Paged self-attention over one ragged batch: decodes first, then prefills."""
+"""Paged self-attention over one ragged batch: decodes first, then prefills;
+`HeadShard` is a tensor-parallel rank's share of the heads."""
 
 from dataclasses import dataclass
 
@@ -7,9 +8,33 @@ from torch import nn
 
 from tgi_kernels import DecodeMeta, PrefillMeta, paged_decode, store_kv, varlen_prefill
 
+from ..distributed import TensorParallel
 from ..weights.source import TensorSource
 from .linear import Linear
 from .rotary import apply_rotary
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """One rank's attention heads: query heads [q_start, q_start + num_heads)
+    and key-value heads [kv_start, kv_start + num_kv_heads) of the checkpoint.
+
+    With fewer kv heads than ranks, each rank keeps the one kv head its query
+    heads read (kv head h serves world_size / num_kv_heads consecutive ranks)."""
+
+    num_heads: int
+    num_kv_heads: int
+    q_start: int
+    kv_start: int
+
+    @classmethod
+    def of_rank(cls, num_heads: int, num_kv_heads: int, tp: TensorParallel) -> "HeadShard":
+        """Assumes ModelConfig.check_tensor_parallel passed for tp.world_size."""
+        heads = num_heads // tp.world_size
+        # Query head h reads kv head h * num_kv_heads // num_heads; for this
+        # rank's first query head, rank * heads, that is:
+        kv_start = tp.rank * num_kv_heads // tp.world_size
+        return cls(heads, max(1, num_kv_heads // tp.world_size), tp.rank * heads, kv_start)
 
 
 @dataclass(frozen=True)
@@ -29,7 +54,9 @@ class ForwardContext:
 
 
 class Attention(nn.Module):
-    """x [T, hidden] -> [T, hidden]; writes the step's K/V into the layer's cache."""
+    """x [T, hidden] -> [T, hidden]; writes the step's K/V into the layer's cache.
+
+    num_heads / num_kv_heads are this rank's; its cache holds its kv heads only."""
 
     def __init__(self, qkv: Linear, o_proj: Linear, layer_idx: int, num_heads: int,
                  num_kv_heads: int, head_dim: int, sliding_window: int):
@@ -41,11 +68,16 @@ class Attention(nn.Module):
         self.scale = head_dim ** -0.5
 
     @classmethod
-    def load(cls, weights: TensorSource, prefix: str, layer_idx: int, num_heads: int,
-             num_kv_heads: int, head_dim: int, sliding_window: int, bias: bool) -> "Attention":
-        qkv = Linear.load_merged(weights, [f"{prefix}.{n}_proj" for n in "qkv"], bias)
-        o_proj = Linear.load(weights, f"{prefix}.o_proj", bias=False)
-        return cls(qkv, o_proj, layer_idx, num_heads, num_kv_heads, head_dim, sliding_window)
+    def load(cls, weights: TensorSource, prefix: str, layer_idx: int, heads: HeadShard, head_dim: int,
+             sliding_window: int, bias: bool, tp: TensorParallel) -> "Attention":
+        """This rank's heads: q/k/v column-parallel by head, o_proj row-parallel."""
+        q_rows = (heads.q_start * head_dim, (heads.q_start + heads.num_heads) * head_dim)
+        kv_rows = (heads.kv_start * head_dim, (heads.kv_start + heads.num_kv_heads) * head_dim)
+        qkv = Linear.load_column(weights, [(f"{prefix}.q_proj", *q_rows), (f"{prefix}.k_proj", *kv_rows),
+                                           (f"{prefix}.v_proj", *kv_rows)], bias)
+        o_proj = Linear.load_row(weights, f"{prefix}.o_proj", heads.num_heads * head_dim * tp.world_size,
+                                 bias=False, tp=tp)
+        return cls(qkv, o_proj, layer_idx, heads.num_heads, heads.num_kv_heads, head_dim, sliding_window)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:

@@ -1,11 +1,19 @@
-"""Dense linear layers, with merged variants that concatenate several
-checkpoint matrices along the output dimension so one GEMM serves them all
-(q/k/v, gate/up)."""
+"""Dense linear layers, whole or split over the ranks of a tensor-parallel
+group.
+
+Column-parallel: a rank holds some output rows of the weight, and its output
+stays split (the next layer consumes the rank's part). A merged layer
+concatenates rows of several checkpoint matrices so one GEMM serves them all
+(q/k/v, gate/up); each rank takes its own rows of each part.
+Row-parallel: a rank holds the input columns matching its share of the
+previous column-parallel output; the partial outputs are summed over the
+ranks. At world size 1 both are the whole matrix and nothing is summed."""
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..distributed import TensorParallel
 from ..weights.source import TensorSource
 
 # oneDNN repacks a plain bf16 weight into its blocked layout on every call;
@@ -22,12 +30,16 @@ def _can_prepack(weight: torch.Tensor) -> bool:
 class Linear(nn.Module):
     """y = x @ weight.T + bias; weight [out, in], x [T, in] -> [T, out].
 
-    bf16 weights on CPU are kept only in oneDNN's prepacked layout."""
+    reduce: the group over which y is summed (row-parallel, world size > 1),
+    None otherwise. bf16 weights on CPU are kept only in oneDNN's prepacked
+    layout."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 reduce: TensorParallel | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.reduce = reduce
         if _can_prepack(weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
             self.weight = None
@@ -36,21 +48,30 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(weight, requires_grad=False)
 
     @classmethod
-    def load(cls, weights: TensorSource, prefix: str, bias: bool) -> "Linear":
-        return cls.load_merged(weights, [prefix], bias)
+    def load_column(cls, weights: TensorSource, parts: list[tuple[str, int, int]], bias: bool) -> "Linear":
+        """Rows [start, stop) of each (prefix, start, stop) part's `prefix.weight`
+        (and `prefix.bias`), concatenated in order: weight [sum(stop - start), in]."""
+        weight = _cat([weights.get_slice(f"{p}.weight", 0, start, stop) for p, start, stop in parts])
+        b = _cat([weights.get_slice(f"{p}.bias", 0, start, stop) for p, start, stop in parts]) if bias else None
+        return cls(weight, b)
 
     @classmethod
-    def load_merged(cls, weights: TensorSource, prefixes: list[str], bias: bool) -> "Linear":
-        """Concatenates `prefix.weight` (and `prefix.bias`) of each prefix along
-        the output dimension: [sum(out_i), in]."""
-        weight = _cat([weights.get(f"{p}.weight") for p in prefixes])
-        b = _cat([weights.get(f"{p}.bias") for p in prefixes]) if bias else None
-        return cls(weight, b)
+    def load_row(cls, weights: TensorSource, prefix: str, in_features: int, bias: bool,
+                 tp: TensorParallel) -> "Linear":
+        """This rank's share of the `in_features` input columns: weight
+        [out, in_features / world_size]; outputs summed over the ranks. The
+        bias is added once, by rank 0, before the sum."""
+        start, stop = tp.split(in_features)
+        weight = weights.get_slice(f"{prefix}.weight", 1, start, stop)
+        b = weights.get(f"{prefix}.bias") if bias and tp.rank == 0 else None
+        return cls(weight, b, tp if tp.world_size > 1 else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y if self.reduce is None else self.reduce.all_reduce_sum(y)
 
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:

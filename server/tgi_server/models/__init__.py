@@ -2,6 +2,7 @@
 
 from torch import nn
 
+from ..distributed import TensorParallel
 from ..weights.source import TensorSource
 from .config import SUPPORTED_MODEL_TYPES, ModelConfig
 from .llama import LlamaForCausalLM
@@ -9,8 +10,9 @@ from .llama import LlamaForCausalLM
 MODELS: dict[str, type[nn.Module]] = {name: LlamaForCausalLM for name in SUPPORTED_MODEL_TYPES}
 
 
-def build_model(weights: TensorSource, config: ModelConfig) -> nn.Module:
-    return MODELS[config.model_type](weights, config)
+def build_model(weights: TensorSource, config: ModelConfig, tp: TensorParallel) -> nn.Module:
+    """tp's rank's slice of the model."""
+    return MODELS[config.model_type](weights, config, tp)
 
 
 __all__ = ["MODELS", "ModelConfig", "SUPPORTED_MODEL_TYPES", "build_model"]

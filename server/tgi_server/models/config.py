@@ -69,6 +69,24 @@ class ModelConfig:
         )
 
 
+    def check_tensor_parallel(self, world_size: int) -> None:
+        """ValueError, naming the numbers, unless the model splits over
+        `world_size` shards: each rank takes an equal share of the attention
+        heads and of the MLP's intermediate size; key-value heads are split
+        too, or, when fewer than the shards, each is replicated on
+        world_size / num_kv_heads consecutive ranks."""
+        if world_size == 1:
+            return
+        if self.num_heads % world_size:
+            raise ValueError(f"cannot shard {self.num_heads} attention heads over {world_size} shards")
+        if self.num_kv_heads % world_size and world_size % self.num_kv_heads:
+            raise ValueError(f"cannot shard {self.num_kv_heads} key-value heads over {world_size} shards "
+                             f"(the shard count must divide them or be a multiple of them)")
+        if self.intermediate_size % world_size:
+            raise ValueError(f"cannot shard an intermediate size of {self.intermediate_size} "
+                             f"over {world_size} shards")
+
+
 def _sliding_windows(hf: PretrainedConfig) -> tuple[int, ...]:
     """Mistral windows every layer; Qwen2 names its windowed layers in
     `layer_types` (only when use_sliding_window); Llama never windows."""

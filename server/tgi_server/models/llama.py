@@ -1,13 +1,16 @@
 """The Llama family (llama, mistral, qwen2) on one flattened ragged batch.
 
 The three differ only in facts of ModelConfig: sliding windows (mistral,
-qwen2 when enabled), q/k/v biases (qwen2), tied embeddings, RoPE scaling."""
+qwen2 when enabled), q/k/v biases (qwen2), tied embeddings, RoPE scaling.
+Under tensor parallelism each layer loads this rank's slice; the model code
+only says which layers split by output (column) and which by input (row)."""
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..layers.attention import Attention, ForwardContext
+from ..distributed import TensorParallel
+from ..layers.attention import Attention, ForwardContext, HeadShard
 from ..layers.embedding import Embedding, LMHead
 from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
@@ -17,7 +20,9 @@ from .config import ModelConfig
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); gate and up share one GEMM."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate and up share one GEMM.
+
+    intermediate_size is this rank's share (gate/up column-parallel, down row-parallel)."""
 
     def __init__(self, gate_up: Linear, down: Linear, intermediate_size: int):
         super().__init__()
@@ -25,26 +30,29 @@ class MLP(nn.Module):
         self.intermediate_size = intermediate_size
 
     @classmethod
-    def load(cls, weights: TensorSource, prefix: str, config: ModelConfig) -> "MLP":
-        gate_up = Linear.load_merged(weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], config.mlp_bias)
-        down = Linear.load(weights, f"{prefix}.down_proj", config.mlp_bias)
-        return cls(gate_up, down, config.intermediate_size)
+    def load(cls, weights: TensorSource, prefix: str, config: ModelConfig, tp: TensorParallel) -> "MLP":
+        start, stop = tp.split(config.intermediate_size)
+        gate_up = Linear.load_column(
+            weights, [(f"{prefix}.gate_proj", start, stop), (f"{prefix}.up_proj", start, stop)], config.mlp_bias)
+        down = Linear.load_row(weights, f"{prefix}.down_proj", config.intermediate_size, config.mlp_bias, tp)
+        return cls(gate_up, down, stop - start)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)  # [T, I / world_size] each
         return self.down(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, weights: TensorSource, prefix: str, layer_idx: int, config: ModelConfig):
+    def __init__(self, weights: TensorSource, prefix: str, layer_idx: int, config: ModelConfig,
+                 heads: HeadShard, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm.load(weights, f"{prefix}.input_layernorm", config.rms_norm_eps)
         self.self_attn = Attention.load(
-            weights, f"{prefix}.self_attn", layer_idx, config.num_heads, config.num_kv_heads,
-            config.head_dim, config.sliding_windows[layer_idx], config.attention_bias)
+            weights, f"{prefix}.self_attn", layer_idx, heads, config.head_dim,
+            config.sliding_windows[layer_idx], config.attention_bias, tp)
         self.post_attention_layernorm = RMSNorm.load(
             weights, f"{prefix}.post_attention_layernorm", config.rms_norm_eps)
-        self.mlp = MLP.load(weights, f"{prefix}.mlp", config)
+        self.mlp = MLP.load(weights, f"{prefix}.mlp", config, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -54,17 +62,21 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """ids [T] + ForwardContext -> hidden [T, hidden]; `logits` maps chosen
-    rows of the hidden states to float32 logits [S, vocab]."""
+    rows of the hidden states to float32 logits [S, vocab].
 
-    def __init__(self, weights: TensorSource, config: ModelConfig):
+    Holds tp's rank's slice of the weights; `heads` are that rank's attention
+    heads (its KV cache holds heads.num_kv_heads)."""
+
+    def __init__(self, weights: TensorSource, config: ModelConfig, tp: TensorParallel):
         super().__init__()
         self.config = config
-        self.embed_tokens = Embedding.load(weights, "model.embed_tokens")
+        self.heads = HeadShard.of_rank(config.num_heads, config.num_kv_heads, tp)
+        self.embed_tokens = Embedding.load(weights, "model.embed_tokens", config.vocab_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(weights, f"model.layers.{i}", i, config) for i in range(config.num_layers))
+            DecoderLayer(weights, f"model.layers.{i}", i, config, self.heads, tp) for i in range(config.num_layers))
         self.norm = RMSNorm.load(weights, "model.norm", config.rms_norm_eps)
         tied = config.tie_word_embeddings or not weights.has("lm_head.weight")
-        self.lm_head = LMHead.load(weights, "lm_head", self.embed_tokens if tied else None)
+        self.lm_head = LMHead.load(weights, "lm_head", config.vocab_size, tp, self.embed_tokens if tied else None)
         self.rotary = RotaryEmbedding(
             torch.tensor(config.rope_inv_freq, dtype=torch.float32, device=weights.device),
             config.rope_attention_scaling)

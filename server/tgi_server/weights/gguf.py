@@ -1,8 +1,9 @@
 """GGUF checkpoints (llama.cpp's single-file format) in Hugging Face terms.
 
-`load_gguf` reads a Llama-family GGUF file, dequantizes every tensor and
-renames it to the names of `transformers`' LlamaForCausalLM /
-MistralForCausalLM / Qwen2ForCausalLM, with a config.json-equivalent dict.
+`GGUFFile` opens a Llama-family GGUF file and names its tensors as
+`transformers`' LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM do,
+with a config.json-equivalent dict; it dequantizes a tensor when asked for
+it. `load_gguf` dequantizes them all.
 llama.cpp's converter interleaves the rows of q_proj and k_proj of llama
 models for its rotary kernel; the loader undoes that, so the tensors drop into
 HF-layout model code (rotate-half RoPE) unchanged.
@@ -10,7 +11,6 @@ HF-layout model code (rotate-half RoPE) unchanged.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from .errors import CheckpointError
+from .gguf_rope import llama3_scaling
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -65,25 +66,47 @@ class GGUFCheckpoint:
     tensors: dict[str, torch.Tensor]
 
 
+class GGUFFile:
+    """An opened GGUF file in Hugging Face terms, its tensors dequantized one
+    at a time on request (a shard keeps only its slice of each).
+
+    Opening reads the metadata and checks every tensor's name and shape, so a
+    file that cannot be served fails before any dequantization.
+    `config` is as in GGUFCheckpoint; `names` are the HF tensor names."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        reader = _open(self.path)
+        arch = _architecture(reader, self.path)
+        shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}  # numpy/HF order
+        self.config = _config(reader, arch, shapes, self.path)
+        # HF name -> (GGUF tensor, its GGUF kind, HF shape)
+        self._tensors = {}
+        for tensor in reader.tensors:
+            if tensor.name != _ROPE_FREQS:
+                hf_name, kind = _hf_name(tensor.name, self.path)
+                self._tensors[hf_name] = (tensor, kind, shapes[tensor.name])
+        _check_shapes({name: shape for name, (_, _, shape) in self._tensors.items()}, self.config, self.path)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def tensor(self, name: str) -> np.ndarray:
+        """Tensor `name` dequantized to float32 in its HF shape and row order; KeyError if absent."""
+        tensor, kind, shape = self._tensors[name]
+        array = _dequantize(tensor, shape, self.path)
+        if self.config["model_type"] in _PERMUTED and kind in ("attn_q", "attn_k"):
+            heads = self.config["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"]
+            array = _unpermute_rotary(array, heads)
+        return array
+
+
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype) -> GGUFCheckpoint:
-    """Read, dequantize and rename the GGUF file at `path`; CheckpointError if it cannot be served."""
-    path = Path(path)
-    reader = _open(path)
-    arch = _architecture(reader, path)
-    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}  # numpy/HF order
-    config = _config(reader, arch, shapes, path)
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    tensors: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        if tensor.name == _ROPE_FREQS:
-            continue
-        hf_name, kind = _hf_name(tensor.name, path)
-        array = _dequantize(tensor, shapes[tensor.name], path)
-        if config["model_type"] in _PERMUTED and kind in heads:
-            array = _unpermute_rotary(array, heads[kind])
-        tensors[hf_name] = torch.tensor(array, dtype=dtype)
-    _check_tensors(tensors, config, path)
-    return GGUFCheckpoint(config=config, tensors=tensors)
+    """Read, dequantize and rename the whole GGUF file at `path`; CheckpointError if it cannot be served."""
+    file = GGUFFile(path)
+    return GGUFCheckpoint(config=file.config,
+                          tensors={name: torch.tensor(file.tensor(name), dtype=dtype) for name in file.names})
 
 
 def load_gguf_tokenizer(path: str | os.PathLike):
@@ -186,7 +209,7 @@ def _rope_scaling(reader: GGUFReader, arch: str, theta: float, head_dim: int, pa
         freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
         if freqs is None:
             return None
-        return _llama3_scaling(np.asarray(freqs.data, np.float64), theta, head_dim, path)
+        return llama3_scaling(np.asarray(freqs.data, np.float64), theta, head_dim, path)
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
@@ -202,37 +225,6 @@ def _rope_scaling(reader: GGUFReader, arch: str, theta: float, head_dim: int, pa
                 scaling[hf_key] = cast(key(gguf_key))
         return scaling
     raise CheckpointError(f"{path}: unsupported rope scaling type {kind!r} (supported: linear, yarn)")
-
-
-def _llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int, path: Path) -> dict | None:
-    """Recover HF's llama3 rope_scaling from llama.cpp's rope_freqs divisors ([head_dim // 2])."""
-    inv_freq = theta ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [head_dim // 2]
-    factor = float(divisors.max())
-    if factor <= 1.0 + 1e-6:
-        return None
-    mid = (divisors > 1.0 + 1e-6) & (divisors < factor - 1e-6)
-    low, high, original = 1.0, 4.0, 8192  # Meta's Llama 3.1/3.2 values, for a ramp too short to fit
-    if mid.sum() >= 2:
-        # In the ramp 1/divisor = (1 - s)/factor + s, s = (original*inv_freq/2pi - low)/(high - low):
-        # s is linear in inv_freq; fit it, taking low_freq_factor = 1 as every Llama 3 release does.
-        s = (1.0 / divisors[mid] - 1.0 / factor) / (1.0 - 1.0 / factor)
-        slope, intercept = np.polyfit(inv_freq[mid] / (2 * math.pi), s, 1)
-        if intercept < 0 < slope:
-            high = round(float(1.0 - 1.0 / intercept), 3)
-            original = int(round(float(slope * (high - low))))
-    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-               "high_freq_factor": high, "original_max_position_embeddings": original}
-    if not np.allclose(_llama3_divisors(inv_freq, scaling), divisors, rtol=1e-3):
-        raise CheckpointError(f"{path}: rope_freqs.weight is not llama3 rope scaling (unsupported)")
-    return scaling
-
-
-def _llama3_divisors(inv_freq: np.ndarray, scaling: dict) -> np.ndarray:
-    """llama.cpp's rope_freqs for an HF llama3 rope_scaling (inverse-frequency divisors)."""
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    ratio = scaling["original_max_position_embeddings"] * inv_freq / (2 * math.pi)  # context / wavelength
-    smooth = np.clip((ratio - low) / (high - low), 0.0, 1.0)
-    return 1.0 / ((1.0 - smooth) / factor + smooth)
 
 
 def _hf_name(name: str, path: Path) -> tuple[str, str]:
@@ -269,8 +261,8 @@ def _unpermute_rotary(array: np.ndarray, n_heads: int) -> np.ndarray:
     return per_head.swapaxes(1, 2).reshape(array.shape)
 
 
-def _check_tensors(tensors: dict[str, torch.Tensor], config: dict, path: Path) -> None:
-    """Every tensor the HF model needs is present with the HF shape."""
+def _check_shapes(shapes: dict[str, tuple[int, ...]], config: dict, path: Path) -> None:
+    """Every tensor the HF model needs is present with the HF shape (`shapes`: HF name -> shape)."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     q_rows = config["num_attention_heads"] * config["head_dim"]
     kv_rows = config["num_key_value_heads"] * config["head_dim"]
@@ -290,12 +282,12 @@ def _check_tensors(tensors: dict[str, torch.Tensor], config: dict, path: Path) -
     for layer in range(config["num_hidden_layers"]):
         expected.update({f"model.layers.{layer}.{name}": shape for name, shape in layer_shapes.items()})
     for name, shape in expected.items():
-        if name not in tensors:
+        if name not in shapes:
             raise CheckpointError(f"{path}: tensor {name} is missing from the GGUF file")
-        if tuple(tensors[name].shape) != shape:
-            got = tuple(tensors[name].shape)
+        if shapes[name] != shape:
+            got = shapes[name]
             raise CheckpointError(f"{path}: tensor {name} has shape {got}, expected {shape}")
-    extra = sorted(name for name in set(tensors) - set(expected) if not name.endswith(".bias"))
+    extra = sorted(name for name in set(shapes) - set(expected) if not name.endswith(".bias"))
     if extra:
         raise CheckpointError(f"{path}: unexpected tensor {extra[0]} in the GGUF file")
 

@@ -1,15 +1,22 @@
 """Where layers get their tensors from: one `TensorSource` per checkpoint
 format, all answering in Hugging Face tensor names, in the serving dtype and
-on the serving device."""
+on the serving device. A tensor-parallel shard asks for its slice only."""
+
+from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
 from .errors import CheckpointError
+
+if TYPE_CHECKING:
+    from .gguf import GGUFFile
 
 
 class TensorSource(Protocol):
@@ -21,6 +28,16 @@ class TensorSource(Protocol):
     def get(self, name: str) -> torch.Tensor:
         """The tensor `name` converted to (dtype, device); CheckpointError if absent."""
         ...
+
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Indices [start, stop) of tensor `name` along `dim`, converted as by
+        `get`, without holding the whole tensor in the serving dtype on the
+        serving device; CheckpointError if absent."""
+        ...
+
+
+def _index(dim: int, start: int, stop: int) -> tuple[slice, ...]:
+    return (slice(None),) * dim + (slice(start, stop),)
 
 
 class SafetensorsSource:
@@ -54,27 +71,46 @@ class SafetensorsSource:
         return name in self._file_of
 
     def get(self, name: str) -> torch.Tensor:
+        return self._read(name, lambda handle: handle.get_tensor(name))
+
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        # Reads only the slice's bytes from the memory-mapped file.
+        return self._read(name, lambda handle: handle.get_slice(name)[_index(dim, start, stop)])
+
+    def _read(self, name: str, read: Callable[[Any], torch.Tensor]) -> torch.Tensor:
         path = self._file_of.get(name)
         if path is None:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint")
         try:
-            tensor = self._handles[path].get_tensor(name)
+            tensor = read(self._handles[path])
         except (SafetensorError, OSError) as err:
             raise CheckpointError(f"{path}: cannot read tensor {name!r} ({err})") from None
         return tensor.to(device=self.device, dtype=self.dtype).contiguous()
 
 
-class DictSource:
-    """Tensors already in memory (a dequantized GGUF file)."""
+class GGUFSource:
+    """Tensors of a GGUF file, dequantized one at a time as layers ask for
+    them: a shard holds only its slices, never the whole dequantized model."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+    def __init__(self, file: GGUFFile, dtype: torch.dtype, device: torch.device):
         self.dtype, self.device = dtype, device
-        self._tensors = tensors
+        self._file = file
+        self._names = set(file.names)
 
     def has(self, name: str) -> bool:
-        return name in self._tensors
+        return name in self._names
 
     def get(self, name: str) -> torch.Tensor:
-        if name not in self._tensors:
+        return self._convert(self._array(name))
+
+    def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        return self._convert(self._array(name)[_index(dim, start, stop)])
+
+    def _array(self, name: str) -> np.ndarray:
+        if name not in self._names:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint")
-        return self._tensors[name].to(device=self.device, dtype=self.dtype).contiguous()
+        return self._file.tensor(name)  # float32, dequantized
+
+    def _convert(self, array: np.ndarray) -> torch.Tensor:
+        # torch.tensor copies: the slice only, never the memory-mapped file.
+        return torch.tensor(array, dtype=self.dtype, device=self.device)
