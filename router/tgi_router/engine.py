@@ -139,7 +139,11 @@ class Engine:
                                 decode_s=t.sample_ns / 1e9, filter_s=0.0, inference_s=seconds,
                                 size=len(step.seqs), max_tokens=sum(len(s.token_ids) for s, _ in step.seqs))
         bm = self.scheduler.blocks
-        self.metrics.kv_blocks(bm.num_blocks, bm.num_blocks - bm.num_free, bm.num_free)
+        self.metrics.kv_blocks(bm.num_blocks, bm.num_used, bm.num_available, bm.num_cached)
+        stats = self.scheduler.take_stats()
+        self.metrics.prefix_cache(stats.queried_tokens, stats.hit_tokens)
+        for chunks in stats.prefill_chunks:
+            self.metrics.prefill_chunks(chunks)
         self.metrics.queue_size(len(self.scheduler.waiting))
 
     async def run_forever(self) -> None:

@@ -24,8 +24,13 @@ Beyond TGI:
 * `tgi_request_inter_token_latency_duration`: seconds between two consecutive
   generated tokens of one request, one observation per gap (TGI only has the
   per-request mean, `tgi_request_mean_time_per_token_duration`);
-* `tgi_kv_cache_blocks_{capacity,used,free}` gauges (capacity, not `_total`:
-  a `_total` suffix marks counters in Prometheus' naming rules).
+* `tgi_kv_cache_blocks_{capacity,used,free,cached}` gauges (capacity, not
+  `_total`: a `_total` suffix marks counters in Prometheus' naming rules);
+  used + free == capacity, and cached counts the free blocks that still hold
+  a reusable prefix;
+* `tgi_prefix_cache_{queried,hit}_tokens` counters: prompt tokens looked up in
+  the prefix cache at admission, and those found there (not computed);
+* `tgi_request_prefill_chunks`: steps each prefill took (1 when unchunked).
 
 Label sets that TGI closes (`method`, `err`, `reason`) are checked and their
 series created at zero up front, so `increase()` sees the first event.
@@ -49,6 +54,7 @@ ALIASES = {
     "tgi_request_mean_time_per_token_duration": "tgi_request_mean_time_seconds",
 }
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFILL_CHUNK_BUCKETS = [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 128.0, 256.0]
 
 
 def duration_buckets() -> list[float]:
@@ -179,6 +185,14 @@ class Metrics:
         self._kv_capacity = self._gauge("tgi_kv_cache_blocks_capacity", "KV cache blocks in all")
         self._kv_used = self._gauge("tgi_kv_cache_blocks_used", "KV cache blocks held by sequences")
         self._kv_free = self._gauge("tgi_kv_cache_blocks_free", "KV cache blocks free to allocate")
+        self._kv_cached = self._gauge(
+            "tgi_kv_cache_blocks_cached", "Free KV cache blocks holding a reusable prefix")
+        self._prefix_queried = self._counter(
+            "tgi_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache")
+        self._prefix_hit = self._counter(
+            "tgi_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache")
+        self._prefill_chunks = self._histogram(
+            "tgi_request_prefill_chunks", "Steps (chunks) each prefill took", PREFILL_CHUNK_BUCKETS)
 
     # Requests: TGI's router/src/server.rs, infer/mod.rs and validation.rs.
 
@@ -265,10 +279,22 @@ class Metrics:
         self._batch_current_size.set(0)
         self._batch_current_max_tokens.set(0)
 
-    def kv_blocks(self, total: int, used: int, free: int) -> None:
+    def kv_blocks(self, total: int, used: int, free: int, cached: int = 0) -> None:
+        """used: referenced by sequences; free: allocatable, of which
+        `cached` still hold a reusable prefix (evicted when needed)."""
         self._kv_capacity.set(total)
         self._kv_used.set(used)
         self._kv_free.set(free)
+        self._kv_cached.set(cached)
+
+    def prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
+        """Admitted prompts' tokens looked up in the prefix cache, and found."""
+        self._prefix_queried.inc(queried_tokens)
+        self._prefix_hit.inc(hit_tokens)
+
+    def prefill_chunks(self, chunks: int) -> None:
+        """A prefill completed after `chunks` steps."""
+        self._prefill_chunks.observe(chunks)
 
     def render(self) -> bytes:
         """The Prometheus text exposition (format 0.0.4), with TGI's names."""

@@ -3,14 +3,22 @@ phase: each step gives running sequences their tokens first, then admits
 waiting ones while the budget and free blocks allow. A prompt longer than
 the budget left is computed in chunks over several steps. When blocks run
 out, the most recently admitted sequence is preempted (its blocks freed, to
-be recomputed later from its tokens): never a crash or a stall."""
+be recomputed later from its tokens): never a crash or a stall.
+
+With prefix caching, an admitted sequence first takes the cached blocks of
+its longest cached prefix (whole blocks, always leaving the block of its last
+token to compute, so the shard samples and never writes a shared block) and
+starts computing after them; every block a step fills is registered for
+later sequences. A waiting sequence whose next block is being filled in this
+very step (best_of copies, a burst sharing a system prompt, a chunked prompt
+it shares) waits one step to hit it instead of computing it twice."""
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tgi_proto import pb
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, chain_hashes
 from .sequence import FinishReason, Sequence, Status
 
 
@@ -18,6 +26,14 @@ from .sequence import FinishReason, Sequence, Status
 class ScheduledStep:
     seqs: list[tuple[Sequence, int]]   # (sequence, tokens to compute), running first
     release_ids: list[int]             # sequences the shards should drop first
+
+
+@dataclass
+class PrefillStats:
+    """Counts since the last `Scheduler.take_stats()`."""
+    queried_tokens: int = 0   # tokens of admitted sequences looked up in the prefix cache
+    hit_tokens: int = 0       # of those, tokens found cached (not computed)
+    prefill_chunks: list[int] = field(default_factory=list)  # steps each completed prefill took
 
 
 class Scheduler:
@@ -42,6 +58,8 @@ class Scheduler:
         # Why the last step's newcomers joined running sequences (TGI's
         # tgi_batch_concat reasons), or None when they started a batch.
         self.join_reason: str | None = None
+        self._stats = PrefillStats()
+        self._prefilling: dict[int, int] = {}  # sequence id -> steps of its current prefill so far
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -73,6 +91,11 @@ class Scheduler:
         self._steps_since_join += 1
         return ScheduledStep(chosen, self.take_releases())
 
+    def take_stats(self) -> PrefillStats:
+        """Prefix-cache and chunking counts since the last call."""
+        stats, self._stats = self._stats, PrefillStats()
+        return stats
+
     def take_releases(self) -> list[int]:
         """Ids the shards must drop, handed out once."""
         release, self._to_release = self._to_release, []
@@ -89,27 +112,80 @@ class Scheduler:
         return len(self.waiting) >= int(running * self.waiting_served_ratio)
 
     def _admit(self, chosen: list[tuple[Sequence, int]], budget: int) -> int:
+        caching = self.blocks.prefix_caching
+        pending = {h for seq, n in chosen for h in self._filled_hashes(seq, n)} if caching else set()
         joined = False
-        while self.waiting and budget > 0 and len(chosen) < self.max_batch_size:
-            seq = self.waiting[0]
-            n = min(seq.remaining, budget)
-            if not self._grow(seq, n):
+        for seq in list(self.waiting):
+            if budget == 0 or len(chosen) >= self.max_batch_size:
+                break
+            hit = self._cached_prefix(seq)
+            if self._next_block_pending(seq, hit, pending):
+                continue  # hit it next step rather than compute it twice now
+            n = self._start(seq, hit, budget)
+            if n is None:
                 break  # first come, first served: do not let later ones overtake
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             chosen.append((seq, n))
             budget -= n
             joined = True
+            self._prefilling[seq.id] = 0
+            if caching:
+                pending.update(self._filled_hashes(seq, n))
         if joined:
             self._steps_since_join = 0
         return budget
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks of seq's longest cached prefix, stopping before the
+        block of its last token; none when seq wants prompt logprobs (they
+        come from computing the prompt). Leaves seq.block_hashes covering
+        every block that could have hit."""
+        if not self.blocks.prefix_caching or seq.params.prefill_logprobs:
+            return []
+        reusable = (len(seq.token_ids) - 1) // self.blocks.block_size
+        chain_hashes(seq.token_ids, self.blocks.block_size, seq.block_hashes, reusable)
+        return self.blocks.lookup(seq.block_hashes[:reusable])
+
+    def _next_block_pending(self, seq: Sequence, hit: list[int], pending: set[int]) -> bool:
+        """Whether the block after seq's cached prefix, one it could reuse,
+        is being filled in this step (by a sequence chosen before it)."""
+        if not pending or seq.params.prefill_logprobs:
+            return False
+        reusable = (len(seq.token_ids) - 1) // self.blocks.block_size
+        return len(hit) < reusable and seq.block_hashes[len(hit)] in pending
+
+    def _start(self, seq: Sequence, hit: list[int], budget: int) -> int | None:
+        """Gives a waiting seq the `hit` blocks and room for its first chunk;
+        returns the chunk's length, or None (and seq untouched) when blocks
+        are short."""
+        self.blocks.share(hit)
+        seq.block_table = list(hit)
+        seq.num_computed = len(hit) * self.blocks.block_size
+        n = min(seq.remaining, budget)
+        if not self._grow(seq, n):
+            self.blocks.free(hit)
+            seq.block_table, seq.num_computed = [], 0
+            return None
+        if self.blocks.prefix_caching and not seq.params.prefill_logprobs:
+            self._stats.queried_tokens += len(seq.token_ids)
+            self._stats.hit_tokens += seq.num_computed
+        return n
+
+    def _filled_hashes(self, seq: Sequence, n: int) -> list[int]:
+        """Prefix hashes of the blocks that computing n more tokens of seq fills."""
+        bs = self.blocks.block_size
+        first, full = seq.num_computed // bs, (seq.num_computed + n) // bs
+        chain_hashes(seq.token_ids, bs, seq.block_hashes, full)
+        return seq.block_hashes[first:full]
 
     def _preempt(self, seq: Sequence) -> None:
         """Frees seq's blocks and puts it first in line; it is recomputed from
         its tokens (prompt and generated so far) when blocks free up."""
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
+        self._prefilling.pop(seq.id, None)
         if seq.shard_tokens:
             self._to_release.append(seq.id)
         seq.block_table = []
@@ -148,12 +224,24 @@ class Scheduler:
         return request
 
     def update(self, step: ScheduledStep, response: pb.StepResponse) -> list[Sequence]:
-        """Applies the shards' generations; returns the sequences that finished."""
+        """Applies the shards' generations and registers the blocks they
+        filled; returns the sequences that finished. Sequences that ended
+        while the step ran (cancelled, stop string) are left alone."""
         by_id = {g.id: g for g in response.generations}
         finished = []
         for seq, n in step.seqs:
+            if seq.status is not Status.RUNNING:
+                continue
+            if self.blocks.prefix_caching:
+                first = seq.num_computed // self.blocks.block_size
+                for block, h in zip(seq.block_table[first:], self._filled_hashes(seq, n)):
+                    self.blocks.register(block, h)
             seq.num_computed += n
             gen = by_id[seq.id]
+            if seq.id in self._prefilling:
+                self._prefilling[seq.id] += 1
+                if gen.sampled:
+                    self._stats.prefill_chunks.append(self._prefilling.pop(seq.id))
             if not gen.sampled:
                 continue
             seq.token_ids.append(gen.token_id)
@@ -182,5 +270,6 @@ class Scheduler:
         if seq.shard_tokens:
             self._to_release.append(seq.id)
         self.blocks.free(seq.block_table)
+        self._prefilling.pop(seq.id, None)
         seq.block_table = []
         seq.status, seq.finish_reason = Status.FINISHED, reason

@@ -6,7 +6,10 @@ from tgi_proto import pb
 from tgi_router.block_manager import BlockManager
 from tgi_router.engine import Engine
 from tgi_router.scheduler import Scheduler
+from tgi_router.metrics import Metrics
 from tgi_router.sequence import FinishReason, Sequence, StoppingCriteria
+
+from .fake_kv_shard import FakeKVShard
 
 
 class FakeClient:
@@ -47,3 +50,38 @@ def test_a_request_arriving_during_a_release_is_not_failed():
         await engine.step()
         assert late.finish_reason is FinishReason.LENGTH
     asyncio.run(go())
+
+
+class KVClient:
+    """The fake KV shard behind the client's async interface."""
+
+    def __init__(self, shard: FakeKVShard):
+        self.shard = shard
+
+    async def step(self, request: pb.StepRequest) -> pb.StepResponse:
+        return self.shard.step(request)
+
+    async def release(self, ids):
+        self.shard.step(pb.StepRequest(release_ids=ids))
+
+
+def test_engine_reports_prefix_cache_blocks_and_chunks():
+    async def go():
+        bm = BlockManager(16, 4)
+        scheduler = Scheduler(bm, max_batch_tokens=4)
+        metrics = Metrics(100, 200)
+        engine = Engine(KVClient(FakeKVShard(bm)), scheduler, metrics=metrics)
+        scheduler.add(seq(1, n=10))  # 3 chunks of at most 4 tokens
+        while scheduler.has_work():
+            await engine.step()
+        scheduler.add(seq(2, n=10))  # the same prompt: 8 tokens hit
+        while scheduler.has_work():
+            await engine.step()
+        text = metrics.render().decode()
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                if not line.startswith("#")}
+    m = asyncio.run(go())
+    assert m["tgi_prefix_cache_queried_tokens"] == 20 and m["tgi_prefix_cache_hit_tokens"] == 8
+    assert m["tgi_request_prefill_chunks_count"] == 2 and m["tgi_request_prefill_chunks_sum"] == 3 + 1
+    assert m["tgi_kv_cache_blocks_used"] == 0 and m["tgi_kv_cache_blocks_free"] == 16
+    assert m["tgi_kv_cache_blocks_cached"] == 2

@@ -43,6 +43,10 @@ EXTRA_TYPES = {
     "tgi_kv_cache_blocks_capacity": "gauge",
     "tgi_kv_cache_blocks_used": "gauge",
     "tgi_kv_cache_blocks_free": "gauge",
+    "tgi_kv_cache_blocks_cached": "gauge",
+    "tgi_prefix_cache_queried_tokens": "counter",
+    "tgi_prefix_cache_hit_tokens": "counter",
+    "tgi_request_prefill_chunks": "histogram",
 }
 
 
@@ -230,6 +234,21 @@ def test_gauges_hold_the_latest_value(metrics):
     text = scrape(metrics)
     assert value(text, "tgi_batch_current_size") == 0
     assert value(text, "tgi_batch_current_max_tokens") == 0
+
+
+def test_prefix_cache_and_prefill_chunk_metrics(metrics):
+    metrics.prefix_cache(queried_tokens=100, hit_tokens=64)
+    metrics.prefix_cache(queried_tokens=20, hit_tokens=0)
+    for chunks in (1, 1, 5):
+        metrics.prefill_chunks(chunks)
+    metrics.kv_blocks(total=512, used=100, free=412, cached=40)
+    text = scrape(metrics)
+    assert value(text, "tgi_prefix_cache_queried_tokens") == 120
+    assert value(text, "tgi_prefix_cache_hit_tokens") == 64
+    assert value(text, "tgi_request_prefill_chunks_count") == 3
+    assert value(text, 'tgi_request_prefill_chunks_bucket{le="1.0"}') == 2
+    assert value(text, 'tgi_request_prefill_chunks_bucket{le="6.0"}') == 3
+    assert value(text, "tgi_kv_cache_blocks_cached") == 40
 
 
 def test_two_instances_are_independent():

@@ -9,7 +9,8 @@ from tgi_router.sequence import FinishReason, Sequence, Status, StoppingCriteria
 
 
 def seq(i: int, n: int, max_new: int = 4, stop=()) -> Sequence:
-    return Sequence(id=i, token_ids=list(range(10, 10 + n)), params=pb.SamplingParameters(),
+    """A prompt of n tokens sharing no prefix with other ids' prompts."""
+    return Sequence(id=i, token_ids=list(range(100 * i, 100 * i + n)), params=pb.SamplingParameters(),
                     stopping=StoppingCriteria(max_new, frozenset(stop)))
 
 
@@ -68,7 +69,7 @@ def test_finish_frees_blocks_and_releases_on_next_step():
     s.to_request(step, 1)
     finished = s.update(step, answer(step))
     assert finished == [a] and a.status is Status.FINISHED and a.finish_reason is FinishReason.LENGTH
-    assert bm.num_free == 8
+    assert bm.num_used == 0 and bm.num_cached == 1 and bm.num_free == 7  # its full block stays cached
     assert s.schedule().release_ids == [1]
 
 
@@ -122,7 +123,8 @@ def test_preemption_frees_the_latest_and_recomputes_it_later():
     step = s.schedule()
     (new,) = s.to_request(step, 3).new_sequences
     assert new.id == 2 and list(new.token_ids) == b.token_ids and new.prompt_length == 8
-    assert new.num_scheduled_tokens == 9 and req.running[0].id == 1
+    # b's first block was still cached (its second, freed first, was evicted for a's third)
+    assert new.num_computed_tokens == 4 and new.num_scheduled_tokens == 5 and req.running[0].id == 1
 
 
 def test_waiting_served_ratio_and_max_waiting_tokens():

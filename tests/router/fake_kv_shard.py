@@ -1,0 +1,68 @@
+"""A fake shard that models the KV cache by content: each slot holds the
+(position, token) whose K/V was written there. It applies the router's step
+messages as a real shard does (new sequences in full, running ones as
+deltas) and checks, for every scheduled sequence, that the slots its block
+table maps to the already-computed positions hold exactly its tokens (what
+attention would read), and that it never writes into a block another live
+sequence references or whose contents are registered. It samples `next_token(tokens)`, a function of the
+whole sequence, so outputs do not depend on batching or caching."""
+
+from dataclasses import dataclass
+
+from tgi_proto import pb
+from tgi_router.block_manager import BlockManager
+
+
+def next_token(tokens: list[int]) -> int:
+    return 3 + hash(tuple(tokens)) % 50
+
+
+@dataclass
+class _Seq:
+    tokens: list[int]
+    table: list[int]
+    computed: int
+
+
+class FakeKVShard:
+    def __init__(self, blocks: BlockManager):
+        self.bm = blocks
+        self.slots: dict[int, tuple[int, int]] = {}  # slot -> (position, token)
+        self.seqs: dict[int, _Seq] = {}
+        self.tokens_computed = 0
+
+    def step(self, request: pb.StepRequest) -> pb.StepResponse:
+        for i in request.release_ids:
+            self.seqs.pop(i, None)
+        scheduled = []
+        for r in request.running:
+            seq = self.seqs[r.id]
+            seq.tokens.extend(r.append_token_ids)
+            seq.table.extend(r.new_block_ids)
+            scheduled.append((r.id, seq, r.num_scheduled_tokens))
+        for n in request.new_sequences:
+            assert n.id not in self.seqs
+            seq = _Seq(list(n.token_ids), list(n.block_table), n.num_computed_tokens)
+            self.seqs[n.id] = seq
+            scheduled.append((n.id, seq, n.num_scheduled_tokens))
+        return pb.StepResponse(generations=[self._run(i, seq, n) for i, seq, n in scheduled])
+
+    def _run(self, seq_id: int, seq: _Seq, n: int) -> pb.Generation:
+        bs = self.bm.block_size
+        assert n >= 1 and seq.computed + n <= len(seq.tokens), (seq_id, seq.computed, n, len(seq.tokens))
+        assert len(seq.table) * bs >= seq.computed + n
+        for p in range(seq.computed):
+            slot = seq.table[p // bs] * bs + p % bs
+            assert self.slots.get(slot) == (p, seq.tokens[p]), f"seq {seq_id} reads a wrong K/V at {p}"
+        for p in range(seq.computed, seq.computed + n):
+            block = seq.table[p // bs]
+            # 0: its sequence was cancelled while this step was in flight
+            assert self.bm.ref_count(block) <= 1 and block not in self.bm._hash_of, \
+                f"seq {seq_id} writes into block {block}, shared or registered"
+            self.slots[block * bs + p % bs] = (p, seq.tokens[p])
+        seq.computed += n
+        self.tokens_computed += n
+        gen = pb.Generation(id=seq_id, num_computed_tokens=seq.computed)
+        if seq.computed == len(seq.tokens):
+            gen.sampled, gen.token_id = True, next_token(seq.tokens)
+        return gen
