@@ -104,6 +104,7 @@ def test_seeded_stream_reassembles_to_the_non_streamed_answer(server):
     client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
     kw = dict(model="tgi", messages=[{"role": "user", "content": "Write a short poem about the sea."}],
               max_tokens=60, temperature=0.8, seed=1234)
+    client.chat.completions.create(**dict(kw, max_tokens=1))  # warm the prefix cache, as below
     whole = client.chat.completions.create(**kw)
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
                        if c.choices)
@@ -111,6 +112,10 @@ def test_seeded_stream_reassembles_to_the_non_streamed_answer(server):
 
     kw = dict(model="tgi", messages=[{"role": "user", "content": "Weather in Lima, please."}],
               tools=[WEATHER, FLIGHT], tool_choice="required", max_tokens=200, temperature=0.8, seed=99)
+    # The prompt's full blocks are cached after its first request: warm them
+    # so both answers below compute the same way (a prefix hit attends the
+    # cached K/V through another kernel path, and bf16 rounds the two apart).
+    client.chat.completions.create(**dict(kw, max_tokens=1))
     call = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
     name, args = None, ""
     for c in client.chat.completions.create(stream=True, **kw):
