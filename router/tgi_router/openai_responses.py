@@ -176,16 +176,10 @@ class Completion(_Response):
     usage: Usage
 
 
-class CompletionChunk(_Response):
-    """One SSE event of a completion stream; OpenAI names it
-    "text_completion" too. `usage` as in `ChatCompletionChunk`."""
+class CompletionChunk(Completion):
+    """One SSE event of a completion stream: a `Completion` (OpenAI names it
+    "text_completion" too) whose `usage` is as in `ChatCompletionChunk`."""
     omit_unless_set = ("usage",)
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    choices: list[CompletionChoice]
     usage: Usage | None = None
 
 
