@@ -66,6 +66,7 @@ class RouterConfig:
     kv_cache_bytes: int = 0        # KV cache budget passed to each shard; 0: sized at Warmup
     num_threads: int = 0           # torch threads per shard on CPU; 0: torch's default
     log_level: str = "info"        # env LOG_LEVEL, as TGI
+    prefix_caching: bool = True    # env PREFIX_CACHING=0 (or false) turns it off, as TGI; no flag
     ignored_flags: tuple[str, ...] = ()  # TGI flags accepted without effect here
 
 
@@ -241,6 +242,7 @@ def parse_args(argv: list[str] | None, env: Mapping[str, str]) -> RouterConfig:
         level = env["LOG_LEVEL"].strip().lower().rsplit("=", 1)[-1]
         level = {"warn": "warning", "trace": "debug"}.get(level, level)
         values["log_level"] = level if level in ("debug", "info", "warning", "error") else "info"
+    values["prefix_caching"] = env.get("PREFIX_CACHING", "1").strip().lower() not in ("0", "false")
     known = {f.name for f in fields(RouterConfig)}
     config = RouterConfig(**{k: v for k, v in values.items() if k in known and v is not None},
                           ignored_flags=ignored)

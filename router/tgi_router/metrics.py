@@ -2,11 +2,9 @@
 
 TGI's router records its metrics with the Rust `metrics` crate and serves them
 with `metrics-exporter-prometheus`; dashboards written for TGI query those
-names, so this module reproduces them exactly:
+names, so this module reproduces them exactly (and `metrics_exposition`
+writes them as TGI's exporter does, counters without `_total`):
 
-* counters carry no `_total` suffix and no `_created` series
-  (`tgi_request_count 5`), which `prometheus_client.generate_latest` cannot
-  produce (it always renames counters to `<name>_total`), hence `render()`;
 * histograms use TGI's buckets: every `*_duration` metric 35 geometric buckets
   0.0001 * 1.5**k for k = 1..35 (0.00015 s to about 146 s); input length one
   hundredth of `max_input_tokens` steps, generated and max-new tokens one
@@ -39,8 +37,8 @@ series created at zero up front, so `increase()` sees the first event.
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics_core import Metric
-from prometheus_client.utils import floatToGoString
+
+from .metrics_exposition import CONTENT_TYPE, exposition
 
 Method = Literal["prefill", "decode"]
 METHODS: tuple[Method, ...] = ("prefill", "decode")
@@ -53,7 +51,6 @@ ALIASES = {
     "tgi_request_duration": "tgi_request_duration_seconds",
     "tgi_request_mean_time_per_token_duration": "tgi_request_mean_time_seconds",
 }
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFILL_CHUNK_BUCKETS = [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 128.0, 256.0]
 
 
@@ -298,28 +295,4 @@ class Metrics:
 
     def render(self) -> bytes:
         """The Prometheus text exposition (format 0.0.4), with TGI's names."""
-        lines: list[str] = []
-        for family in self.registry.collect():
-            _write_family(lines, family, family.name)
-            if family.name in ALIASES:
-                _write_family(lines, family, ALIASES[family.name])
-        return "".join(lines).encode("utf-8")
-
-
-def _write_family(lines: list[str], family: Metric, name: str) -> None:
-    help_text = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
-    lines.append(f"# HELP {name} {help_text}\n")
-    lines.append(f"# TYPE {name} {family.type}\n")
-    for sample in family.samples:
-        suffix = sample.name[len(family.name):]
-        if suffix == "_created":
-            continue
-        if family.type == "counter":
-            suffix = ""  # prometheus_client's `_total`; TGI has none
-        labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sample.labels.items())
-        labels = f"{{{labels}}}" if labels else ""
-        lines.append(f"{name}{suffix}{labels} {floatToGoString(sample.value)}\n")
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+        return exposition(self.registry, ALIASES)

@@ -5,7 +5,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 from importlib.metadata import PackageNotFoundError, version
 
@@ -93,9 +92,7 @@ async def _build(config: RouterConfig, client: ShardClient):
     metrics = Metrics(limits.max_input_tokens, limits.max_total_tokens)
     metrics.max_total_tokens(limits.max_batch_total_tokens)
     metrics.kv_blocks(warm.num_blocks, 0, warm.num_blocks)
-    # TGI's switch: PREFIX_CACHING=0 (or false) turns prefix caching off; on by default.
-    prefix_caching = os.environ.get("PREFIX_CACHING", "1").lower() not in ("0", "false")
-    blocks = BlockManager(warm.num_blocks, warm.block_size, prefix_caching)
+    blocks = BlockManager(warm.num_blocks, warm.block_size, config.prefix_caching)
     scheduler = Scheduler(blocks, limits.max_batch_prefill_tokens,
                           config.max_batch_size or 0, config.waiting_served_ratio, config.max_waiting_tokens)
     engine = Engine(client, scheduler, tokenizer, tuple(info.eos_token_ids), metrics)

@@ -236,3 +236,9 @@ def test_resolved_limits_are_checked_with_tgis_messages(argv, mpe, supported, me
 def test_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         parse_args([], {}).port = 1
+
+
+@pytest.mark.parametrize("env, on", [({}, True), ({"PREFIX_CACHING": "1"}, True), ({"PREFIX_CACHING": "true"}, True),
+                                     ({"PREFIX_CACHING": "0"}, False), ({"PREFIX_CACHING": "False"}, False)])
+def test_prefix_caching_is_on_unless_the_environment_turns_it_off(env, on):
+    assert parse_args([], env).prefix_caching is on
