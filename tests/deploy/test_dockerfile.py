@@ -1,0 +1,156 @@
+"""The Dockerfile, checked without Docker: BuildKit's own parser (the
+`dockerfile` package wraps it) reads it, its stages resolve for both the CUDA
+and the CPU build, and it follows TGI's image conventions."""
+
+import fnmatch
+import re
+
+import dockerfile
+import pytest
+
+from tgi_router.config import build_parser
+from tgi_router.flags_doc import accepted_options
+
+from .doc_snippets import ROOT
+
+COMMANDS = dockerfile.parse_file(str(ROOT / "Dockerfile"))
+
+
+def instructions(cmd: str) -> list[dockerfile.Command]:
+    return [c for c in COMMANDS if c.cmd == cmd.upper()]
+
+
+def stages() -> dict[str, tuple[str, list[dockerfile.Command]]]:
+    """stage name -> (its FROM argument, its instructions)."""
+    found, current = {}, None
+    for c in COMMANDS:
+        if c.cmd == "FROM":
+            current = c.value[2] if len(c.value) == 3 else f"#{len(found)}"
+            found[current] = (c.value[0], [])
+        elif current is not None:
+            found[current][1].append(c)
+    return found
+
+
+def global_args() -> dict[str, str]:
+    args = {}
+    for c in COMMANDS:
+        if c.cmd == "FROM":
+            break
+        name, _, value = c.value[0].partition("=")
+        args[name] = value.strip('"')
+    return args
+
+
+def expander(device: str):
+    """Substitutes the global ARGs (with DEVICE=device) into a FROM or --from."""
+    args = {**global_args(), "DEVICE": device}
+    return lambda text: re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], text)
+
+
+def reachable_stages(device: str) -> set[str]:
+    """The stages a build of the last stage with DEVICE=device runs."""
+    expand, graph = expander(device), stages()
+    seen, todo = set(), [list(graph)[-1]]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        source, body = graph[name]
+        todo += [s for s in [expand(source)] if s in graph]
+        todo += [expand(f.split("=", 1)[1]) for c in body if c.cmd == "COPY" for f in c.flags
+                 if f.startswith("--from=")]
+    return seen
+
+
+def external_images(device: str) -> set[str]:
+    """The images from a registry that a DEVICE=device build starts from."""
+    expand, graph = expander(device), stages()
+    return {expand(graph[s][0]) for s in reachable_stages(device) if expand(graph[s][0]) not in graph}
+
+
+INSTRUCTIONS = {"ADD", "ARG", "CMD", "COPY", "ENTRYPOINT", "ENV", "EXPOSE", "FROM", "HEALTHCHECK", "LABEL",
+                "ONBUILD", "RUN", "SHELL", "STOPSIGNAL", "USER", "VOLUME", "WORKDIR"}
+
+
+def test_buildkit_parser_reads_only_known_instructions():
+    # The parser itself rejects malformed instructions (ENV without a value,
+    # an unterminated heredoc) but not unknown ones: those are checked here.
+    assert COMMANDS[0].cmd == "ARG" and instructions("FROM")
+    assert {c.cmd for c in COMMANDS} <= INSTRUCTIONS
+
+
+def test_entrypoint_is_the_launcher_in_exec_form():
+    (entrypoint,) = instructions("ENTRYPOINT")
+    assert entrypoint.json and list(entrypoint.value) == ["text-generation-launcher"]
+
+
+def test_default_arguments_are_launcher_flags():
+    (cmd,) = instructions("CMD")
+    assert cmd.json and set(cmd.value) <= accepted_options()
+    build_parser().parse_args(list(cmd.value))
+
+
+@pytest.mark.parametrize("name, value", [("PORT", "80"), ("HF_HOME", "/data")])
+def test_tgi_environment(name, value):
+    env = {}
+    for c in instructions("ENV"):
+        env.update(zip(c.value[::2], c.value[1::2]))
+    assert env[name] == value
+
+
+def test_data_volume_and_port_80():
+    assert [c.value for c in instructions("VOLUME")] == [("/data",)]
+    assert [c.value for c in instructions("EXPOSE")] == [("80",)]
+
+
+def test_healthcheck_probes_health_on_the_served_port():
+    (check,) = instructions("HEALTHCHECK")
+    assert check.value[0] == "CMD"
+    assert "/health" in check.value[1] and "${PORT" in check.value[1] and "curl -f" in check.value[1]
+
+
+def test_cuda_build_starts_from_cuda_images_and_builds_flash_attn():
+    images = external_images("cuda")
+    assert images and all(i.startswith("nvidia/cuda:") for i in images)
+    assert "flash-attn-cuda" in reachable_stages("cuda")
+    assert any("flash-attn==" in c.value[0] for c in stages()["flash-attn-cuda"][1] if c.cmd == "RUN")
+    assert re.search(r"CUDA_ARCHS=\"?8\.0;8\.6;8\.9;9\.0", (ROOT / "Dockerfile").read_text())
+
+
+def test_cpu_build_uses_no_cuda_image_and_the_cpu_torch():
+    assert external_images("cpu") == {f"ubuntu:{global_args()['UBUNTU_VERSION']}"}
+    assert "flash-attn-cuda" not in reachable_stages("cpu")
+    (torch_run,) = [c for c in stages()["torch"][1] if c.cmd == "RUN"]
+    assert 'if [ "$DEVICE" = "cpu" ]; then index=cpu' in torch_run.value[0]
+    assert "download.pytorch.org/whl/${index}" in torch_run.value[0]
+
+
+def test_layers_go_from_dependencies_to_source():
+    runtime = stages()["runtime"][1]
+    position = lambda test: next(i for i, c in enumerate(runtime) if test(c))  # noqa: E731
+    pyproject = position(lambda c: c.cmd == "COPY" and c.value[0] == "pyproject.toml")
+    dependencies = position(lambda c: c.cmd == "RUN" and "-r /tmp/requirements.txt" in c.value[0])
+    flash_attn = position(lambda c: c.cmd == "COPY" and "--from=flash-attn" in c.flags)
+    source = position(lambda c: c.cmd == "COPY" and c.value[0] in ("proto", "router", "server", "kernels"))
+    project = position(lambda c: c.cmd == "RUN" and "pip install --no-deps ." in c.value[0])
+    assert pyproject < dependencies < flash_attn < source < project
+
+
+def test_no_secret_is_baked_in():
+    for c in instructions("ARG") + instructions("ENV"):
+        names = [c.value[0].split("=")[0]] if c.cmd == "ARG" else list(c.value[::2])
+        assert not [n for n in names if re.search(r"TOKEN|SECRET|PASSWORD|API_KEY", n)], c.original
+
+
+def test_copied_sources_exist_and_pass_dockerignore():
+    ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    assert {".git", ".venv", ".env"} <= set(ignored)
+    for c in instructions("COPY"):
+        if c.flags:
+            continue
+        for source in c.value[:-1]:
+            assert (ROOT / source).exists(), source
+            assert not any(fnmatch.fnmatch(source, pattern) for pattern in ignored), source
