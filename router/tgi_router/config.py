@@ -17,7 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
-DTYPES = ("float16", "bfloat16", "float32")   # TGI: float16, bfloat16; float32 for CPUs
+# TGI: float16, bfloat16. Ours: float32 for CPUs without bf16, float64 for exact
+# comparisons across configurations (tensor-parallel ranks sum in another order).
+DTYPES = ("float16", "bfloat16", "float32", "float64")
 QUANTIZE = ("awq", "compressed-tensors", "eetq", "exl2", "gptq", "marlin", "bitsandbytes",
             "bitsandbytes-nf4", "bitsandbytes-fp4", "fp8")
 

@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="local directory, .gguf file or hub id in the HF cache (default: SmolLM2-135M-Instruct)")
     serve.add_argument("--revision", default=None)
     serve.add_argument("--uds-path", default="/tmp/text-generation-server")
-    serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    serve.add_argument("--dtype", choices=["float64", "float32", "bfloat16", "float16"], default=None)
     serve.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     serve.add_argument("--block-size", type=int, default=16)
     # Bytes only: the launcher parses sizes such as 2GiB (tgi_router.config).

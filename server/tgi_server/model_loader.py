@@ -15,7 +15,8 @@ from .weights.errors import CheckpointError
 from .weights.resolve import ModelSource
 from .weights.source import GGUFSource, SafetensorsSource, TensorSource
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ def launch(model: str | None, tmp_path, *flags) -> tuple[subprocess.Popen, str]:
          "--max-total-tokens", "1024", "--max-input-tokens", "512", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 90
+    deadline = time.time() + 180  # shards load and warm up on a shared 2-core machine
     while time.time() < deadline and proc.poll() is None:
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
