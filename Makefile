@@ -7,7 +7,7 @@ PORT ?= 8080
 BENCH ?= all
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench proto clean
+.PHONY: install serve test bench proto clean gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,13 @@ test: install
 
 bench: install
 	$(BIN)/python -m benchmarks.run --bench $(BENCH)
+
+# On a machine with one GPU, in under 10 minutes: finds (or installs) a CUDA
+# torch, runs every @pytest.mark.gpu test, benchmarks a ~1.1B Llama with random
+# weights at batch 1/32/128, and prints one JSON line (exit 1 if any stage fails).
+# The orchestrator needs only the standard library, hence plain $(PY).
+gpu-check:
+	$(PY) -m benchmarks.gpu_check
 
 proto: install
 	$(BIN)/python proto/generate.py

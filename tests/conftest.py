@@ -7,6 +7,10 @@ Nothing here downloads: tiny models are random `transformers` models saved with
 import pytest
 import torch
 
+from .triton_interpreter import use_triton_interpreter
+
+use_triton_interpreter()  # before anything imports triton (torch._dynamo does)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

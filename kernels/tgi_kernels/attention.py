@@ -4,9 +4,12 @@ Backends, all with the same two functions (`paged_decode`, `varlen_prefill`):
   reference   plain torch, one sequence at a time, float32 softmax; the test oracle
   sdpa        torch scaled_dot_product_attention; the fast CPU path, runs anywhere
   flash_attn  flash-attn 2 (CUDA, fp16/bf16), only when `flash_attn` imports
+  triton      our Triton kernels (tgi_kernels.triton): CUDA, or CPU under TRITON_INTERPRET=1
 
-The default is flash_attn on CUDA when available, else sdpa. The choice of a
-forced backend (env TGI_ATTENTION_BACKEND) is read by the caller, not here.
+The default is the one place that picks: flash_attn on CUDA when it imports,
+else triton on CUDA when it imports, else sdpa (always on CPU: the interpreter
+is for tests). The choice of a forced backend (env TGI_ATTENTION_BACKEND, flag
+--attention-backend) is read by the caller and passed in, not read here.
 """
 
 from __future__ import annotations
@@ -16,16 +19,22 @@ from types import ModuleType
 import torch
 
 from . import flash, reference, sdpa
+from . import triton as triton_backend
 from .metadata import DecodeMeta, PrefillMeta
 
-_BACKENDS: dict[str, ModuleType] = {"reference": reference, "sdpa": sdpa, "flash_attn": flash}
+_BACKENDS: dict[str, ModuleType] = {
+    "reference": reference, "sdpa": sdpa, "flash_attn": flash, "triton": triton_backend,
+}
 
 
 def available_backends(device: torch.device) -> list[str]:
     """Names of the backends that run on `device`, in a fixed order."""
     names = ["reference", "sdpa"]
-    if flash.is_available(torch.device(device)):
+    device = torch.device(device)
+    if flash.is_available(device):
         names.append("flash_attn")
+    if triton_backend.is_available(device):
+        names.append("triton")
     return names
 
 
@@ -42,7 +51,11 @@ def select_backend(device: torch.device, forced: str | None = None) -> str:
                 f"attention backend {forced!r} is not available on {device}; available: {', '.join(available)}"
             )
         return forced
-    return "flash_attn" if "flash_attn" in available else "sdpa"
+    if torch.device(device).type == "cuda":
+        for name in ("flash_attn", "triton"):
+            if name in available:
+                return name
+    return "sdpa"
 
 
 def _backend(device: torch.device, name: str | None) -> ModuleType:

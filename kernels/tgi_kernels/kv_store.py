@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from . import triton as triton_backend
+
 
 def store_kv(
     key: torch.Tensor,
@@ -11,13 +13,18 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    backend: str | None = None,
 ) -> None:
     """Write token t's key/value into slot `slot_mapping[t]` of the cache, in place.
 
     key/value [T, KVH, D]; k_cache/v_cache [num_blocks, block_size, KVH, D], contiguous;
     slot_mapping [T] int64 with slot = block_id * block_size + offset. Every slot must be
     valid (no negative padding slots) and distinct. Values are cast to the cache dtype.
+    backend "triton" writes with the Triton kernel; any other name uses torch.
     """
+    if backend == "triton":
+        triton_backend.store_kv(key, value, k_cache, v_cache, slot_mapping)
+        return
     kv_heads, head_dim = k_cache.shape[2:]
     k_flat = k_cache.view(-1, kv_heads, head_dim)  # [num_blocks * block_size, KVH, D]
     v_flat = v_cache.view(-1, kv_heads, head_dim)

@@ -8,6 +8,7 @@ ClearCache run none.
 
 Not thread-safe: the service calls it from one thread, one call at a time."""
 
+import logging
 import math
 import time
 
@@ -17,6 +18,7 @@ from tgi_kernels import select_backend
 from tgi_proto import pb
 
 from .batch import StepBatch, build_batch
+from .cuda_graphs import DecodeGraphs, backend_supports_graphs, graph_batch_sizes
 from .grammar import GrammarCompiler
 from .kv_cache import KVCache, KVCacheSpec
 from .layers.attention import ForwardContext
@@ -25,14 +27,18 @@ from .model_loader import LoadedModel
 from .sampler import Sampler, prompt_logprobs
 from .sequences import SequenceTable, ShardSequence
 
+log = logging.getLogger("tgi_server")
+
 
 class ModelRunner:
     """grammars: compiles the grammars of constrained requests; None when the
     shard has no tokenizer (a grammar is then an invalid step) and on ranks
-    > 0, which do not sample."""
+    > 0, which do not sample. cuda_graphs: decode batch sizes to capture at
+    Warmup (CUDA only; ignored elsewhere)."""
 
     def __init__(self, loaded: LoadedModel, block_size: int, attention_backend: str | None,
-                 kv_cache_bytes: int, grammars: GrammarCompiler | None = None):
+                 kv_cache_bytes: int, grammars: GrammarCompiler | None = None,
+                 cuda_graphs: tuple[int, ...] = ()):
         self.model = loaded.model
         self.config = loaded.config
         self.device = loaded.device
@@ -49,6 +55,8 @@ class ModelRunner:
         self.cache = KVCache(self.kv_spec, 0, self.device)
         self.table = self._table(0)
         self.warmed_up = False
+        self.cuda_graph_sizes = cuda_graphs
+        self.graphs: DecodeGraphs | None = None  # captured at Warmup, once the cache is final
 
     def _table(self, num_blocks: int) -> SequenceTable:
         return SequenceTable(self.block_size, num_blocks, self.config.vocab_size, self.grammars, self.samples)
@@ -60,6 +68,7 @@ class ModelRunner:
         of a group takes the smallest rank's number of blocks."""
         start = time.perf_counter_ns()
         self.table.clear()
+        self.graphs = None  # they hold the old cache's tensors
         self.cache = KVCache(self.kv_spec, 0, self.device)
         prefill_tokens = max(1, request.max_batch_prefill_tokens or 4096)
         batch_size = max(1, min(request.max_batch_size or 256, prefill_tokens))
@@ -73,11 +82,38 @@ class ModelRunner:
         num_blocks = self.tp.min_over_ranks(num_blocks)
         self.cache = KVCache(self.kv_spec, num_blocks, self.device)
         self.table = self._table(num_blocks)
+        self.graphs = self._capture_graphs(batch_size)
         self.warmed_up = True
         return pb.WarmupResponse(
             num_blocks=num_blocks, block_size=self.block_size, kv_cache_bytes=self.cache.nbytes,
             max_supported_total_tokens=num_blocks * self.block_size,
             warmup_ns=time.perf_counter_ns() - start)
+
+    def _capture_graphs(self, max_batch_size: int) -> DecodeGraphs | None:
+        """Decode graphs for the requested sizes, on CUDA with a backend that suits them."""
+        sizes = graph_batch_sizes(self.cuda_graph_sizes, max_batch_size)
+        if self.device.type != "cuda" or not sizes:
+            return None
+        if not backend_supports_graphs(self.backend, self.block_size):
+            log.info("CUDA graphs off: the %s backend (block size %d) gathers whole block tables",
+                     self.backend, self.block_size)
+            return None
+        # The widest table a sequence can have: the model's context or the whole cache.
+        max_tokens = min(self.config.max_position_embeddings, self.cache.num_blocks * self.block_size)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            graphs = DecodeGraphs(self.model, self.cache.layers, self.backend, self.block_size,
+                                  math.ceil(max_tokens / self.block_size), self.cache.scratch_block,
+                                  sizes, self.device)
+        log.info("captured CUDA graphs for decode batch sizes %s in %.1f s", list(sizes),
+                 time.perf_counter() - start)
+        return graphs
+
+    def _forward(self, batch: StepBatch) -> torch.Tensor:
+        """hidden [T, hidden] of the step's tokens: a graph replay when one fits."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        return self.model(batch.input_ids, self._context(batch))
 
     def run_scratch(self, tokens: int, seqs: int, decode: bool) -> torch.Tensor:
         """A forward of `tokens` tokens over `seqs` sequences whose K/V lands in
@@ -115,7 +151,7 @@ class ModelRunner:
             batch = build_batch(seqs, self.block_size, self.device)
             t1 = time.perf_counter_ns()
             with torch.inference_mode():
-                hidden = self.model(batch.input_ids, self._context(batch))
+                hidden = self._forward(batch)
                 logits = self.model.logits(hidden, batch.logits_rows)  # [S, vocab] float32
                 t2 = time.perf_counter_ns()
                 generations = self._generations(batch, logits)

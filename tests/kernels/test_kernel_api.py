@@ -76,3 +76,15 @@ def test_default_backend_on_cuda_is_flash_attn_when_it_imports():
     cuda = torch.device("cuda")
     expected = "flash_attn" if "flash_attn" in available_backends(cuda) else "sdpa"
     assert select_backend(cuda) == expected
+
+
+@pytest.mark.parametrize("flash_ok, triton_ok, expected", [
+    (True, True, "flash_attn"), (False, True, "triton"), (False, False, "sdpa"),
+])
+def test_cuda_default_prefers_flash_attn_then_triton_then_sdpa(monkeypatch, flash_ok, triton_ok, expected):
+    from tgi_kernels import flash
+    from tgi_kernels import triton as triton_backend
+
+    monkeypatch.setattr(flash, "is_available", lambda device: flash_ok)
+    monkeypatch.setattr(triton_backend, "is_available", lambda device: triton_ok)
+    assert select_backend(torch.device("cuda")) == expected

@@ -90,7 +90,7 @@ class Attention(nn.Module):
         q, k = qk[:, :heads], qk[:, heads:]
         v = qkv[:, heads + kv_heads:]
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        store_kv(k, v, k_cache, v_cache, ctx.slot_mapping, ctx.backend)
 
         nd = ctx.num_decode_tokens
         parts = []

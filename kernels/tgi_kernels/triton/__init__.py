@@ -1,0 +1,86 @@
+"""The triton attention backend: our own Triton kernels for store_kv,
+paged_decode and varlen_prefill, with tgi_kernels' signatures.
+
+`triton` is imported only when a kernel first runs, so the server works
+without the package. The kernels run on CUDA, and on CPU under Triton's
+interpreter, which triton enables from the environment variable
+TRITON_INTERPRET=1 when it decorates a kernel: the variable must be set
+before the backend is first used in the process (tests and benchmarks only;
+the interpreter is far too slow to serve).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+from ..metadata import DecodeMeta, PrefillMeta
+
+
+@functools.cache
+def _importable() -> bool:
+    try:
+        import triton  # noqa: F401  (only whether it imports)
+    except (ImportError, OSError):  # OSError: a broken install (missing shared libraries)
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def is_available(device: torch.device) -> bool:
+    """True when triton imports and can run on `device`: any CUDA device, or
+    the CPU under the interpreter."""
+    runs_here = device.type == "cuda" or (device.type == "cpu" and interpreting())
+    return runs_here and _importable()  # no import at all on a CPU server
+
+
+@functools.cache
+def _kernel(name: str) -> ModuleType:
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """See tgi_kernels.store_kv; negative slots are skipped."""
+    _kernel("store_kv_kernel").store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: DecodeMeta,
+    scale: float,
+    sliding_window: int = 0,
+) -> torch.Tensor:
+    """query [B, H, D] -> out [B, H, D]; see tgi_kernels.paged_decode.
+
+    meta.max_seq_len only sets the number of splits, so a CUDA graph captured
+    with a large bound replays correctly for any shorter contexts."""
+    return _kernel("paged_decode_kernel").paged_decode(
+        query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale, sliding_window
+    )
+
+
+def varlen_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PrefillMeta,
+    scale: float,
+    sliding_window: int = 0,
+) -> torch.Tensor:
+    """query [T, H, D], key/value [T, KVH, D] -> out [T, H, D]; see tgi_kernels.varlen_prefill."""
+    return _kernel("varlen_prefill_kernel").varlen_prefill(
+        query, key, value, k_cache, v_cache, meta.cu_seqlens_q, meta.prefix_lens, meta.block_tables,
+        meta.max_query_len, scale, sliding_window,
+    )

@@ -1,0 +1,136 @@
+"""CUDA graphs for decode steps (TGI's --cuda-graphs): a pure-decode step of
+n sequences replays the graph captured for the smallest batch size >= n
+instead of launching every kernel of the forward one by one.
+
+All graphs share one set of static input tensors sized for the largest batch
+and the widest block table a sequence can have; a step copies its inputs into
+their first n rows and pads the rest with harmless rows: one token of context
+in the scratch block, written to the scratch block's first slot. The KV cache
+tensors must stay the ones captured: build DecodeGraphs after Warmup sizes the
+cache, and again whenever it is reallocated.
+
+Only backends whose decode reads the block table inside the kernel are
+captured (triton; flash_attn with paged blocks): the others gather the whole
+table width every step, which a graph would make slower, not faster.
+"""
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from tgi_kernels import DecodeMeta
+
+from .batch import StepBatch
+from .layers.attention import ForwardContext
+
+log = logging.getLogger("tgi_server")
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # TGI's default for --cuda-graphs
+FLASH_PAGED_BLOCK = 256  # flash-attn reads a paged cache only for block sizes divisible by this
+
+
+def graph_batch_sizes(requested: tuple[int, ...], max_batch_size: int) -> tuple[int, ...]:
+    """The requested sizes that a step can reach (<= max_batch_size), sorted."""
+    return tuple(sorted({n for n in requested if 0 < n <= max_batch_size}))
+
+
+def padded_batch_size(sizes: tuple[int, ...], n: int) -> int | None:
+    """The smallest captured size that holds n sequences; None if none does."""
+    return next((size for size in sizes if size >= n), None)
+
+
+def backend_supports_graphs(backend: str, block_size: int) -> bool:
+    return backend == "triton" or (backend == "flash_attn" and block_size % FLASH_PAGED_BLOCK == 0)
+
+
+class DecodeGraphs:
+    """Decode forwards captured per batch size; `run` replays one.
+
+    forward(input_ids [B], ctx) -> hidden [B, hidden] is the model's forward.
+    With capture=False (CPU tests) each "graph" runs the forward eagerly on
+    the static tensors, so padding and selection are tested without a GPU."""
+
+    def __init__(self, forward: Callable[[torch.Tensor, ForwardContext], torch.Tensor],
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: str, block_size: int,
+                 max_blocks: int, scratch_block: int, sizes: tuple[int, ...], device: torch.device,
+                 capture: bool = True):
+        self.forward, self.kv_caches, self.backend = forward, kv_caches, backend
+        self.block_size, self.max_blocks, self.scratch_block = block_size, max_blocks, scratch_block
+        self.sizes = tuple(sorted(sizes))
+        self.capture = capture
+        largest = self.sizes[-1]
+
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.input_ids = zeros(largest)  # [S] int64
+        self.positions = zeros(largest)  # [S] int64
+        self.slot_mapping = zeros(largest)  # [S] int64
+        self.seq_lens = zeros(largest, dtype=torch.int32)  # [S] int32
+        self.block_tables = zeros(largest, max_blocks, dtype=torch.int32)  # [S, W] int32
+        self._pad(0, largest)
+        self.graphs: dict[int, Callable[[], None]] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # size -> static hidden [size, hidden]
+        pool = torch.cuda.graph_pool_handle() if capture else None
+        for size in reversed(self.sizes):  # largest first: the smaller ones reuse its memory pool
+            self.graphs[size] = self._capture(size, pool) if capture else self._eager(size)
+
+    def _context(self, size: int) -> ForwardContext:
+        # max_seq_len is the widest table: it only bounds the kernel's splits.
+        meta = DecodeMeta(block_tables=self.block_tables[:size], seq_lens=self.seq_lens[:size],
+                          max_seq_len=self.max_blocks * self.block_size)
+        return ForwardContext(positions=self.positions[:size], slot_mapping=self.slot_mapping[:size],
+                              num_decode_tokens=size, decode=meta, prefill=None,
+                              kv_caches=self.kv_caches, backend=self.backend)
+
+    def _eager(self, size: int) -> Callable[[], None]:
+        ctx = self._context(size)
+
+        def run():
+            self.outputs[size] = self.forward(self.input_ids[:size], ctx)
+        return run
+
+    def _capture(self, size: int, pool) -> Callable[[], None]:
+        ctx = self._context(size)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # compile kernels and settle allocations before capture
+            for _ in range(2):
+                self.forward(self.input_ids[:size], ctx)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.outputs[size] = self.forward(self.input_ids[:size], ctx)
+        return graph.replay
+
+    def _pad(self, start: int, end: int) -> None:
+        """Rows start..end-1 become padding: one token in the scratch block."""
+        self.input_ids[start:end] = 0
+        self.positions[start:end] = 0
+        self.slot_mapping[start:end] = self.scratch_block * self.block_size
+        self.seq_lens[start:end] = 1
+        self.block_tables[start:end] = self.scratch_block
+
+    def can_run(self, batch: StepBatch) -> bool:
+        """True for a pure-decode step that fits a captured size and table width."""
+        return (batch.prefill is None and batch.decode is not None
+                and batch.num_decode_tokens <= self.sizes[-1]
+                and batch.decode.block_tables.shape[1] <= self.max_blocks)
+
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        """Hidden states [n, hidden] of the step's n decode tokens (see can_run)."""
+        n = batch.num_decode_tokens
+        size = padded_batch_size(self.sizes, n)
+        width = batch.decode.block_tables.shape[1]
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.slot_mapping[:n].copy_(batch.slot_mapping)
+        self.seq_lens[:n].copy_(batch.decode.seq_lens)
+        # Columns past a table's own blocks are never read (seq_lens bound the
+        # reads), but must hold valid block ids for backends that gather them.
+        self.block_tables[:n].fill_(self.scratch_block)
+        self.block_tables[:n, :width].copy_(batch.decode.block_tables)
+        self._pad(n, size)
+        self.graphs[size]()
+        return self.outputs[size][:n]

@@ -1,0 +1,62 @@
+"""Compiles every Triton kernel to PTX for an sm_90 GPU, without a GPU.
+
+The interpreter accepts programs the compiler refuses (a variable whose type
+differs between the two sides of an if, dot shapes under 16), so the kernels
+are also compiled here. Run in a process without TRITON_INTERPRET:
+`python -m tests.kernels.compile_for_cuda`; prints one line per kernel.
+"""
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from tgi_kernels.triton import paged_decode_kernel, store_kv_kernel, varlen_prefill_kernel
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_kernel(fn, pointers: dict, scalars: dict, constexprs: dict) -> int:
+    signature = {**pointers, **scalars, **{name: "constexpr" for name in constexprs}}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET)
+    return len(compiled.asm["ptx"])
+
+
+def cases():
+    i32 = "i32"
+    # bf16 with GQA 8 / head 128 (what serves), and float32 (the "ieee" dot path) at GQA 1 / head 64.
+    for dtype, (group, head_dim) in (("bf16", (8, 128)), ("fp32", (1, 64))):
+        p = f"*{dtype}"
+        precision = "ieee" if dtype == "fp32" else "tf32"
+        yield "store_kv", store_kv_kernel._store_kv_kernel, (
+            dict(key=p, value=p, k_cache=p, v_cache=p, slot_mapping="*i64"),
+            dict(stride_kt=i32, stride_kh=i32, stride_vt=i32, stride_vh=i32),
+            dict(KV_HEADS=4, HEAD_DIM=head_dim, BLOCK_H=4, BLOCK_D=head_dim))
+        for splits in (1, 4):
+            yield f"paged_decode(splits={splits})", paged_decode_kernel._decode_kernel, (
+                dict(query=p, k_cache=p, v_cache=p, block_tables="*i32", seq_lens="*i32", out=p,
+                     part_out="*fp32", part_ml="*fp32"),
+                dict(qk_scale="fp32", window=i32, num_splits=i32, stride_qb=i32, stride_qh=i32, stride_bt=i32,
+                     stride_ob=i32, stride_oh=i32),
+                dict(GROUP=group, KV_HEADS=4, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=head_dim,
+                     BLOCK_N=64, PARTITION=512, SPLIT=splits > 1, PRECISION=precision))
+        yield "merge_splits", paged_decode_kernel._merge_splits_kernel, (
+            dict(part_out="*fp32", part_ml="*fp32", out=p), dict(stride_ob=i32, stride_oh=i32, num_splits=i32),
+            dict(HEADS=4 * group, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_S=8))
+        yield "varlen_prefill", varlen_prefill_kernel._prefill_kernel, (
+            dict(query=p, key=p, value=p, k_cache=p, v_cache=p, cu_seqlens_q="*i32", prefix_lens="*i32",
+                 block_tables="*i32", out=p),
+            dict(qk_scale="fp32", window=i32, **{f"stride_{s}": i32 for s in
+                                                  ("qt", "qh", "kt", "kh", "vt", "vh", "bt", "ot", "oh")}),
+            dict(GROUP=group, KV_HEADS=4, HEAD_DIM=head_dim, BLOCK_SIZE=16, TILE_TOKENS=64 // group,
+                 BLOCK_M=64, BLOCK_N=64, BLOCK_D=head_dim, PRECISION=precision))
+
+
+def main() -> None:
+    for name, fn, (pointers, scalars, constexprs) in cases():
+        size = compile_kernel(fn, pointers, scalars, constexprs)
+        dtype = pointers.get("out", pointers.get("key"))
+        print(f"compiled {name} head_dim={constexprs['HEAD_DIM']} {dtype}: {size} bytes of PTX")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""CUDA graphs for decode (--cuda-graphs): the flag from launcher to shard, the
+choice of a captured batch size, padding, and (on a GPU) the capture itself."""
+
+import pytest
+import torch
+
+from tgi_proto import pb
+from tgi_router.config import parse_args
+from tgi_router.shard_processes import shard_command
+from tgi_server.batch import build_batch
+from tgi_server.cli import build_parser, config_from_args
+from tgi_server.config import ShardConfig
+from tgi_server.cuda_graphs import DecodeGraphs, backend_supports_graphs, graph_batch_sizes, padded_batch_size
+from tgi_server.sequences import ShardSequence
+from tgi_server.shard import load_shard
+
+from ..shard_harness import save_tiny_model
+from ..triton_interpreter import use_triton_interpreter
+
+BLOCK = 16
+
+
+# --- the flag --------------------------------------------------------------------------
+
+
+def test_launcher_defaults_to_tgis_batch_sizes_and_passes_them_to_the_shards():
+    config = parse_args([], {})
+    assert config.cuda_graphs == (1, 2, 4, 8, 16, 32)
+    command = shard_command(config, 0)
+    assert command[command.index("--cuda-graphs") + 1] == "1,2,4,8,16,32"
+
+
+def test_launcher_flag_and_env_set_the_sizes_and_zero_turns_them_off():
+    assert parse_args(["--cuda-graphs", "8,1,2"], {}).cuda_graphs == (1, 2, 8)
+    assert parse_args([], {"CUDA_GRAPHS": "4"}).cuda_graphs == (4,)
+    off = parse_args(["--cuda-graphs", "0"], {})
+    assert off.cuda_graphs == () and "--cuda-graphs" not in shard_command(off, 0)
+    assert "--cuda-graphs" not in off.ignored_flags
+
+
+def test_shard_flag_reaches_its_config():
+    args = build_parser().parse_args(["serve", "m", "--cuda-graphs", "4,1"])
+    assert config_from_args(args).cuda_graphs == (1, 4)
+    assert config_from_args(build_parser().parse_args(["serve", "m"])).cuda_graphs == ()
+
+
+# --- choosing a graph ---------------------------------------------------------------------
+
+
+def test_sizes_beyond_the_largest_batch_are_not_captured():
+    assert graph_batch_sizes((32, 1, 4, 2, 8, 16), max_batch_size=10) == (1, 2, 4, 8)
+
+
+def test_a_step_replays_the_smallest_graph_that_holds_it():
+    sizes = (1, 2, 4, 8)
+    assert [padded_batch_size(sizes, n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
+
+
+def test_only_backends_that_read_block_tables_in_kernel_are_captured():
+    assert backend_supports_graphs("triton", 16)
+    assert backend_supports_graphs("flash_attn", 256) and not backend_supports_graphs("flash_attn", 16)
+    assert not backend_supports_graphs("sdpa", 16) and not backend_supports_graphs("reference", 256)
+
+
+# --- padding and replay (eager "graphs" on CPU, captured ones on a GPU) --------------------------
+
+
+def _runner(tmp_path, device: str, backend: str, cuda_graphs=()):
+    path = save_tiny_model("llama", tmp_path / "llama", seed=2)
+    config = ShardConfig(model_id=str(path), revision=None, uds_path=str(tmp_path / "s"), dtype=None,
+                         device=device, block_size=BLOCK, kv_cache_bytes=8 << 20, attention_backend=backend,
+                         num_threads=0, cuda_graphs=cuda_graphs)
+    runner, _ = load_shard(config)
+    runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_batch_size=8))
+    gen = torch.Generator().manual_seed(0)
+    for k, v in runner.cache.layers:  # a random context for every block
+        k.copy_(torch.randn(k.shape, generator=gen))
+        v.copy_(torch.randn(v.shape, generator=gen))
+    return runner
+
+
+def _decode_batch(runner, context_lens: list[int]):
+    seqs, next_block = [], 0
+    for i, n in enumerate(context_lens):
+        blocks = list(range(next_block, next_block + -(-(n + 1) // BLOCK)))
+        next_block += len(blocks)
+        seqs.append(ShardSequence(id=i, token_ids=[(7 * i + j) % 200 + 3 for j in range(n + 1)], prompt_length=1,
+                                  num_computed=n, block_table=blocks, params=None, prefill_logprobs=False,
+                                  scheduled=1))
+    return build_batch(seqs, BLOCK, runner.device)
+
+
+def _graphs(runner, sizes, capture):
+    return DecodeGraphs(runner.model, runner.cache.layers, runner.backend, BLOCK, 8, runner.cache.scratch_block,
+                        sizes, runner.device, capture=capture)
+
+
+def test_padded_replay_gives_the_eager_hidden_states_and_leaves_real_blocks_alone(tmp_path):
+    runner = _runner(tmp_path, "cpu", "sdpa")
+    batch = _decode_batch(runner, [5, 16, 40])
+    with torch.inference_mode():
+        want = runner.model(batch.input_ids, runner._context(batch))  # writes the step's K/V
+        cache_after_eager = [k[:-1].clone() for k, _ in runner.cache.layers]  # all but the scratch block
+        graphs = _graphs(runner, (1, 4, 8), capture=False)
+        got = graphs.run(batch)
+    assert graphs.outputs[4].shape[0] == 4  # 3 sequences ran padded to 4
+    torch.testing.assert_close(got, want)
+    for (k, _), before in zip(runner.cache.layers, cache_after_eager):
+        assert torch.equal(k[:-1], before)
+
+
+def test_steps_that_fit_no_graph_run_eagerly(tmp_path):
+    runner = _runner(tmp_path, "cpu", "sdpa")
+    graphs = _graphs(runner, (1, 2), capture=False)
+    assert graphs.can_run(_decode_batch(runner, [3, 9]))
+    assert not graphs.can_run(_decode_batch(runner, [3, 9, 4]))  # more sequences than the largest graph
+    assert not graphs.can_run(_decode_batch(runner, [200]))  # a table wider than the captured one
+
+
+def test_graphs_are_not_captured_on_cpu(tmp_path):
+    runner = _runner(tmp_path, "cpu", "sdpa", cuda_graphs=(1, 2, 4))
+    assert runner.graphs is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not use_triton_interpreter(), reason="needs CUDA and triton")
+def test_captured_graphs_replay_the_eager_forward_on_cuda(tmp_path):
+    runner = _runner(tmp_path, "cuda", "triton", cuda_graphs=(1, 2, 4, 8))
+    assert runner.graphs is not None and runner.graphs.sizes == (1, 2, 4, 8)
+    for lens in ([5], [5, 16, 40], [1, 2, 3, 4, 17, 33, 64]):
+        batch = _decode_batch(runner, lens)
+        with torch.inference_mode():
+            want = runner.model(batch.input_ids, runner._context(batch))
+            got = runner._forward(batch)
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-2)

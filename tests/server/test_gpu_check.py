@@ -1,0 +1,22 @@
+"""`make gpu-check` fails fast and clearly where there is no GPU: one JSON line, exit 1."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(Path("/dev/nvidia0").exists() or shutil.which("nvidia-smi") is not None,
+                    reason="a GPU is here: the check would run for real")
+def test_gpu_check_without_a_gpu_prints_one_json_line_and_exits_1():
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 1 and len(lines) == 1
+    result = json.loads(lines[0])
+    assert result["ok"] is False and "no NVIDIA GPU" in result["env"]["error"]
