@@ -2,6 +2,7 @@
 /metrics, /tokenize (and FastAPI's /docs with the OpenAPI spec); the OpenAI
 routes come from openai_api."""
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -9,16 +10,19 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from . import protocol as p
 from .admission import Admitted, ApiSettings, Gate, ServerState
+from .api_key import ApiKeyMiddleware
 from .engine import Engine
-from .errors import BodyDeserializeError, GenerationError, TGIError, UnhealthyError, error_response
+from .errors import (BodyDeserializeError, BodySyntaxError, GenerationError, RouteError, TGIError, UnhealthyError,
+                     error_response)
 from .openai_api import add_openai_routes
 from .payload_limit import PayloadLimitMiddleware
 from .request_stream import ErrorEvent, RequestStream
 from .responses import generate_response, stream_response, timing_headers
-from .validation import validate
+from .validation import check_input_chars, tokenize_text, validate
 
 __all__ = ["ApiSettings", "ServerState", "create_app"]
 
@@ -27,10 +31,14 @@ def create_app(engine: Engine, settings: ApiSettings, metrics, state: ServerStat
     # TGI serves its OpenAPI spec at /api-doc/openapi.json and Swagger UI at /docs.
     app = FastAPI(title="Text Generation Inference", version=settings.info.version,
                   openapi_url="/api-doc/openapi.json", docs_url="/docs", redoc_url=None)
+    # The last added runs first: CORS (answers preflights), then the API key
+    # (before any body is read), then the payload limit.
+    app.add_middleware(PayloadLimitMiddleware, limit=settings.payload_limit)
+    if settings.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, protect_metrics=settings.protect_metrics)
     if settings.cors_allow_origin:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_allow_origin),
                            allow_methods=["*"], allow_headers=["*"])
-    app.add_middleware(PayloadLimitMiddleware, limit=settings.payload_limit)
 
     @app.exception_handler(TGIError)
     async def _tgi_error(request: Request, err: TGIError):
@@ -42,8 +50,14 @@ def create_app(engine: Engine, settings: ApiSettings, metrics, state: ServerStat
         first = err.errors()[0] if err.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ())[1:])
         detail = f"{where}: {first.get('msg', 'invalid body')}" if where else first.get("msg", "invalid body")
-        status, body = error_response(BodyDeserializeError(detail))
+        cls = BodySyntaxError if first.get("type") == "json_invalid" else BodyDeserializeError
+        status, body = error_response(cls(detail))
         return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, err: HTTPException):
+        status, body = error_response(RouteError(err.status_code, str(err.detail)))
+        return JSONResponse(body, status_code=status, headers=err.headers)
 
     gate = Gate(engine, settings, metrics, state)
 
@@ -51,15 +65,15 @@ def create_app(engine: Engine, settings: ApiSettings, metrics, state: ServerStat
         return lambda: [validate(body, engine.tokenizer.encode, settings.limits, stream=stream)]
 
     async def generate(request: Request, body: p.GenerateRequest) -> RequestStream:
-        admitted = await gate.admit(request, tgi_request(body, stream=False))
+        admitted = await gate.admit(tgi_request(body, stream=False))
         try:
             await gate.wait(request, admitted)
         finally:
             admitted.close()
         return admitted.streams[0]
 
-    async def sse(request: Request, body: p.GenerateRequest) -> StreamingResponse:
-        admitted = await gate.admit(request, tgi_request(body, stream=True))
+    async def sse(body: p.GenerateRequest) -> StreamingResponse:
+        admitted = await gate.admit(tgi_request(body, stream=True))
         headers = {"x-compute-type": settings.compute_type, "x-accel-buffering": "no", "cache-control": "no-cache"}
         return StreamingResponse(_tgi_events(gate, admitted), media_type="text/event-stream", headers=headers)
 
@@ -67,21 +81,21 @@ def create_app(engine: Engine, settings: ApiSettings, metrics, state: ServerStat
     async def generate_route(request: Request, body: p.CompatGenerateRequest):
         """Generate tokens (a top-level `"stream": true` answers as /generate_stream)."""
         if body.stream:
-            return await sse(request, body.to_generate_request())
+            return await sse(body.to_generate_request())
         stream = await generate(request, body.to_generate_request())
         return JSONResponse(generate_response(stream).model_dump(mode="json"),
                             headers=timing_headers(stream, settings.compute_type))
 
     @app.post("/generate_stream", tags=["Text Generation Inference"])
-    async def generate_stream_route(request: Request, body: p.GenerateRequest):
+    async def generate_stream_route(body: p.GenerateRequest):
         """Generate tokens as server-sent events."""
-        return await sse(request, body)
+        return await sse(body)
 
     @app.post("/", tags=["Text Generation Inference"])
     async def compat_route(request: Request, body: p.CompatGenerateRequest):
         """TGI's compatibility route: /generate_stream when `stream`, else a list of one response."""
         if body.stream:
-            return await sse(request, body.to_generate_request())
+            return await sse(body.to_generate_request())
         stream = await generate(request, body.to_generate_request())
         return JSONResponse([generate_response(stream).model_dump(mode="json")],
                             headers=timing_headers(stream, settings.compute_type))
@@ -102,9 +116,10 @@ def create_app(engine: Engine, settings: ApiSettings, metrics, state: ServerStat
         return Response(metrics.render(), media_type=metrics.content_type)
 
     @app.post("/tokenize", response_model=p.TokenizeResponse, tags=["Text Generation Inference"])
-    async def tokenize(request: Request, body: p.GenerateRequest):
-        gate.authorize(request)
-        tokens = engine.tokenizer.encode_with_offsets(body.inputs)
+    async def tokenize(body: p.GenerateRequest):
+        """The tokens of `inputs` (refused, untokenized, when too long to serve)."""
+        check_input_chars(body.inputs, settings.limits)
+        tokens = await asyncio.to_thread(tokenize_text, engine.tokenizer, body.inputs)
         return JSONResponse([p.SimpleToken(id=i, text=t, start=a, stop=b).model_dump() for i, t, a, b in tokens])
 
     add_openai_routes(app, gate)

@@ -22,16 +22,21 @@ class ShardError(RuntimeError):
 
 
 class ShardClient:
-    """Talks to shards listening on unix://{uds_path}-{rank}."""
+    """Talks to shards listening on unix://{uds_path}-{rank}. `timeout`
+    bounds every call; `step_timeout` bounds Step and Release (the step
+    deadline: a shard that hangs mid-step, stopped or deadlocked, fails the
+    call with DEADLINE_EXCEEDED instead of stalling the router forever)."""
 
-    def __init__(self, socket_paths: list[str], timeout: float | None = None):
+    def __init__(self, socket_paths: list[str], timeout: float | None = None, step_timeout: float | None = None):
         self._channels = [grpc.aio.insecure_channel(f"unix://{p}", options=GRPC_OPTIONS) for p in socket_paths]
         self._stubs = [pb_grpc.TextGenerationServiceStub(c) for c in self._channels]
         self.timeout = timeout
+        self.step_timeout = step_timeout
 
     @classmethod
-    def for_shards(cls, uds_path: str, world_size: int, timeout: float | None = None) -> "ShardClient":
-        return cls([f"{uds_path}-{rank}" for rank in range(world_size)], timeout)
+    def for_shards(cls, uds_path: str, world_size: int, timeout: float | None = None,
+                   step_timeout: float | None = None) -> "ShardClient":
+        return cls([f"{uds_path}-{rank}" for rank in range(world_size)], timeout, step_timeout)
 
     async def _all(self, method: str, request, timeout: float | None = None):
         """Calls every shard; raises the first failure as ShardError."""
@@ -61,10 +66,10 @@ class ShardClient:
             kv_cache_bytes=kv_cache_bytes))
 
     async def step(self, request: pb.StepRequest) -> pb.StepResponse:
-        return await self._all("Step", request)
+        return await self._all("Step", request, self.step_timeout)
 
     async def release(self, ids: list[int]) -> None:
-        await self._all("Release", pb.ReleaseRequest(ids=ids))
+        await self._all("Release", pb.ReleaseRequest(ids=ids), self.step_timeout)
 
     async def clear_cache(self) -> None:
         await self._all("ClearCache", pb.ClearCacheRequest())

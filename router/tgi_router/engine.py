@@ -81,6 +81,8 @@ class Engine:
             release = step.release_ids + self.scheduler.take_releases()
             if release:
                 await self.client.release(release)
+            if self.metrics is not None:
+                self._observe_state()  # cancelled requests' blocks are free now, whether or not a step follows
             return []
         self.step_id += 1
         start = time.perf_counter()
@@ -138,12 +140,15 @@ class Engine:
         self.metrics.batch_step("prefill" if prefill else "decode", forward_s=t.forward_ns / 1e9,
                                 decode_s=t.sample_ns / 1e9, filter_s=0.0, inference_s=seconds,
                                 size=len(step.seqs), max_tokens=sum(len(s.token_ids) for s, _ in step.seqs))
-        bm = self.scheduler.blocks
-        self.metrics.kv_blocks(bm.num_blocks, bm.num_used, bm.num_available, bm.num_cached)
+        self._observe_state()
         stats = self.scheduler.take_stats()
         self.metrics.prefix_cache(stats.queried_tokens, stats.hit_tokens)
         for chunks in stats.prefill_chunks:
             self.metrics.prefill_chunks(chunks)
+
+    def _observe_state(self) -> None:
+        bm = self.scheduler.blocks
+        self.metrics.kv_blocks(bm.num_blocks, bm.num_used, bm.num_available, bm.num_cached)
         self.metrics.queue_size(len(self.scheduler.waiting))
 
     async def run_forever(self) -> None:

@@ -40,6 +40,14 @@ class ValidationError(TGIError):
     template = "Input validation error: {}"
 
 
+class BatchSizeExceededError(TGIError):
+    """More prompts in one /v1/completions request than max_client_batch_size:
+    each would be a sequence, past --max-concurrent-requests' count."""
+    status = 422
+    error_type = "batch size exceeded"
+    template = "Number of prompts exceeds the maximum allowed batch size of {}"
+
+
 class OverloadedError(TGIError):
     """No permit left under --max-concurrent-requests."""
     status = 429
@@ -135,6 +143,17 @@ class MissingJsonContentTypeError(TGIError):
     error_type = "content_type"
     template = "Expected request with `Content-Type: application/json`"
     tgi_body = "text"
+
+
+class RouteError(TGIError):
+    """The web framework's own refusals (404 no such route, 405 wrong method,
+    400 a body it cannot read: invalid UTF-8, nesting deeper than the
+    parser's recursion limit), given TGI's body shape with their status."""
+    error_type = "http"
+
+    def __init__(self, status: int, detail: str):
+        super().__init__(detail)
+        self.status = status
 
 
 def error_response(err: TGIError) -> tuple[int, dict[str, str]]:

@@ -17,12 +17,14 @@ from . import openai_protocol as o
 from . import protocol as p
 from .admission import Admitted, Gate
 from .chat_template import ChatTemplate, TemplateError
+from .errors import BatchSizeExceededError
 from .openai_prepare import PreparedChat, chat_tools, prepare_chat, prepare_completion, render_chat
 from .openai_stream import (ResponseMeta, chat_chunks, chat_token_logprobs, completion_chunks, completion_logprobs,
                             finish_reason, usage)
 from .request_stream import RequestStream, SequenceResult
 from .responses import timing_headers
 from .tool_calls import ToolPlan, new_call_id, parse_tool_call
+from .validation import check_input_chars, tokenize_text
 
 __all__ = ["add_openai_routes"]
 
@@ -60,7 +62,7 @@ def add_openai_routes(app: FastAPI, gate: Gate) -> None:
         def prepare():
             prepared.append(prepare_chat(body, chat_template(), tokenizer, settings.limits))
             return prepared[0].requests
-        admitted = await gate.admit(request, prepare)
+        admitted = await gate.admit(prepare)
         meta = ResponseMeta("chatcmpl-" + secrets.token_hex(12), int(time.time()), model_id, fingerprint)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -79,7 +81,11 @@ def add_openai_routes(app: FastAPI, gate: Gate) -> None:
     @app.post("/v1/completions", response_model=o.Completion, tags=["OpenAI"])
     async def completions(request: Request, body: o.CompletionRequest):
         """OpenAI's legacy completions: a prompt or a list of prompts."""
-        admitted = await gate.admit(request, lambda: prepare_completion(body, tokenizer, settings.limits))
+        def prepare():
+            if isinstance(body.prompt, list) and len(body.prompt) > settings.info.max_client_batch_size:
+                raise BatchSizeExceededError(str(settings.info.max_client_batch_size))
+            return prepare_completion(body, tokenizer, settings.limits)
+        admitted = await gate.admit(prepare)
         meta = ResponseMeta("cmpl-" + secrets.token_hex(12), int(time.time()), model_id, fingerprint)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -103,11 +109,14 @@ def add_openai_routes(app: FastAPI, gate: Gate) -> None:
         return JSONResponse(listing.model_dump(mode="json"))
 
     @app.post("/chat_tokenize", response_model=p.ChatTokenizeResponse, tags=["Text Generation Inference"])
-    async def chat_tokenize(request: Request, body: o.ChatCompletionRequest):
-        """The chat template's text for these messages, and its tokens."""
-        gate.authorize(request)
-        text = await asyncio.to_thread(lambda: render_chat(body, chat_template(), chat_tools(body)))
-        tokens = tokenizer.encode_with_offsets(text, add_special_tokens=False)
+    async def chat_tokenize(body: o.ChatCompletionRequest):
+        """The chat template's text for these messages, and its tokens
+        (refused, untokenized, when too long to serve)."""
+        def run():
+            text = render_chat(body, chat_template(), chat_tools(body))
+            check_input_chars(text, settings.limits)
+            return text, tokenize_text(tokenizer, text, add_special_tokens=False)
+        text, tokens = await asyncio.to_thread(run)
         return JSONResponse({"tokenize_response": [p.SimpleToken(id=i, text=t, start=a, stop=b).model_dump()
                                                    for i, t, a, b in tokens],
                              "templated_text": text})

@@ -75,7 +75,10 @@ class SequenceText:
 
 @dataclass
 class RequestStream:
-    """Created by the engine for each request; the route awaits `events`."""
+    """Created by the engine for each request; the route awaits `events`.
+    The engine never waits for a route: `events` takes one event per
+    generated token plus the end (or one error), so a client that reads
+    slowly holds at most max_new_tokens + 1 events and stalls nobody else."""
     request: ValidGenerateRequest
     tokenizer: RouterTokenizer
     timings: Timings

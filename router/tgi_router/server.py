@@ -16,6 +16,7 @@ from .block_manager import BlockManager
 from .client import ShardClient, ShardError
 from .config import RouterConfig, prefill_tokens, resolve_limits
 from .engine import Engine
+from .input_bound import max_chars_per_token
 from .metrics import Metrics
 from .scheduler import Scheduler
 from .tokenizer import RouterTokenizer
@@ -28,7 +29,8 @@ SHARD_FAILURE_GRACE = 10.0  # seconds /health answers 503 after a shard died, be
 async def serve_router(config: RouterConfig, shard_failed: asyncio.Event, shutdown: asyncio.Event) -> int:
     """Serves until `shutdown` (exit 0 once drained) or a shard failure
     (in-flight requests fail, /health turns 503, exit 1)."""
-    client = ShardClient.for_shards(config.shard_uds_path, config.num_shard)
+    client = ShardClient.for_shards(config.shard_uds_path, config.num_shard,
+                                    step_timeout=config.step_timeout or None)
     try:
         engine, app, state = await _build(config, client)
     except ShardError as err:
@@ -104,12 +106,21 @@ async def _build(config: RouterConfig, client: ShardClient):
         limits=ValidationLimits(max_input_tokens=limits.max_input_tokens, max_total_tokens=limits.max_total_tokens,
                                 max_best_of=config.max_best_of, max_stop_sequences=config.max_stop_sequences,
                                 max_top_n_tokens=config.max_top_n_tokens,
-                                disable_grammar_support=config.disable_grammar_support),
+                                disable_grammar_support=config.disable_grammar_support,
+                                max_input_chars=_max_input_chars(info.tokenizer_json, limits.max_input_tokens)),
         max_concurrent_requests=config.max_concurrent_requests, api_key=config.api_key,
         cors_allow_origin=tuple(config.cors_allow_origin), payload_limit=config.payload_limit,
-        compute_type="gpu+optimized" if info.device.startswith("cuda") else "cpu")
+        compute_type="gpu+optimized" if info.device.startswith("cuda") else "cpu",
+        protect_metrics=config.protect_metrics)
     state = ServerState()
     return engine, create_app(engine, settings, metrics, state), state
+
+
+def _max_input_chars(tokenizer_json: str, max_input_tokens: int) -> int | None:
+    """The longest input that may still fit max_input_tokens (None: the
+    tokenizer gives no bound); longer ones are refused before tokenizing."""
+    per_token = max_chars_per_token(tokenizer_json)
+    return None if per_token is None else max_input_tokens * per_token
 
 
 def _tokenizer_config(info, config: RouterConfig) -> str:

@@ -6,11 +6,13 @@
 Tokenization goes through a callable (`str -> list[int]`, special tokens
 included as the model wants them), so this module needs no tokenizer library.
 
-No length guard runs before tokenizing. Characters do not bound tokens from
-either side for every tokenizer, TGI's messages report the real token count
-("Given: Y"), and with `truncate` a long input is legal. What bounds the
-tokenizer's work is the request body limit (413, TGI's --payload-limit,
-2,000,000 bytes by default), enforced by the API before parsing.
+One length guard runs before tokenizing: with `limits.max_input_chars` set
+(max_input_tokens times the tokenizer's characters-per-token bound, see
+input_bound), an input longer than that cannot fit and is refused without
+tokenizing it, reporting a lower bound of its tokens ("Given: at least Y").
+Without truncate only: with `truncate` a long input is legal, as in TGI. The
+request body limit (413, --payload-limit) bounds the tokenizer's work in the
+other cases.
 """
 
 import json
@@ -25,7 +27,7 @@ from tgi_router.protocol import (GenerateParameters, GenerateRequest,
 
 __all__ = ["DEFAULT_GENERATION_LENGTH", "ValidationError", "ValidationLimits",
            "ValidGrammar", "ValidParameters", "ValidStoppingParameters",
-           "ValidGenerateRequest", "validate"]
+           "ValidGenerateRequest", "check_input_chars", "tokenize_text", "validate"]
 
 # TGI: a request without max_new_tokens is scheduled this many tokens at a
 # time, up to max_total_new_tokens.
@@ -43,6 +45,7 @@ class ValidationLimits:
     max_stop_sequences: int = 4
     max_top_n_tokens: int = 5
     disable_grammar_support: bool = False
+    max_input_chars: int | None = None  # longer inputs cannot fit max_input_tokens; None: no guard
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,8 @@ def validate(request: GenerateRequest, tokenize: Callable[[str], list[int]],
     if request.inputs == "":
         raise ValidationError("`inputs` cannot be empty")
     truncate = _check_truncate(p, limits)
+    if truncate is None:
+        check_input_chars(request.inputs, limits)
     ids = _tokenize(request.inputs, tokenize)
     input_length = min(len(ids), truncate) if truncate is not None else len(ids)
     max_new, max_total_new = _check_lengths(p, input_length, limits)
@@ -216,11 +221,26 @@ def _check_truncate(p: GenerateParameters, limits: ValidationLimits) -> int | No
     return p.truncate
 
 
+def check_input_chars(text: str, limits: ValidationLimits) -> None:
+    """Refuses, before tokenizing, a text too long to be max_input_tokens."""
+    if limits.max_input_chars is not None and len(text) > limits.max_input_chars:
+        at_least = -(-len(text) * limits.max_input_tokens // limits.max_input_chars)
+        raise ValidationError(f"`inputs` must have less than {limits.max_input_tokens} "
+                              f"tokens. Given: at least {at_least}")
+
+
 def _tokenize(inputs: str, tokenize: Callable[[str], list[int]]) -> list[int]:
     try:
         return list(tokenize(inputs))
     except Exception as err:  # the tokenizer's own failure, reported as TGI does
         raise ValidationError(f"tokenizer error {err}") from err
+
+
+def tokenize_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[tuple[int, str, int, int]]:
+    """`tokenizer.encode_with_offsets` for /tokenize and /chat_tokenize, its
+    failure (e.g. a lone surrogate, which JSON can escape but no tokenizer
+    encodes) a ValidationError as in `validate`."""
+    return _tokenize(text, lambda t: tokenizer.encode_with_offsets(t, add_special_tokens=add_special_tokens))
 
 
 def _check_lengths(p: GenerateParameters, input_length: int,
