@@ -4,7 +4,7 @@ merging every benchmark's keys."""
 import argparse
 import json
 
-BENCHES = ("engine", "http", "grammar", "prefix")
+BENCHES = ("engine", "http", "grammar", "prefix", "quant")
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from typing import Any, Callable
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 QUANTIZE = ("awq", "compressed-tensors", "eetq", "exl2", "gptq", "marlin", "bitsandbytes",
             "bitsandbytes-nf4", "bitsandbytes-fp4", "fp8")
+QUANTIZE_SERVED = ("awq", "eetq", "gptq")    # the rest are TGI's choices we do not implement
 
 
 class ConfigError(ValueError):
@@ -64,9 +65,12 @@ class RouterConfig:
     graceful_termination_timeout: int = 90      # seconds
     flash_attention: bool = False  # refuse to start without a flash-style attention backend
     disable_grammar_support: bool = False
+    cuda_graphs: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # decode batch sizes captured on CUDA; (): none
     # Ours, not TGI's.
     kv_cache_bytes: int = 0        # KV cache budget passed to each shard; 0: sized at Warmup
     num_threads: int = 0           # torch threads per shard on CPU; 0: torch's default
+    step_timeout: float = 120.0    # seconds a shard may take for one step before it counts as hung; 0: none
+    protect_metrics: bool = False  # with --api-key, /metrics and /info need the key too
     log_level: str = "info"        # env LOG_LEVEL, as TGI
     prefix_caching: bool = True    # env PREFIX_CACHING=0 (or false) turns it off, as TGI; no flag
     ignored_flags: tuple[str, ...] = ()  # TGI flags accepted without effect here
@@ -108,6 +112,15 @@ def _size(text: str) -> int:
     return value
 
 
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    """'1,2,4' -> (1, 2, 4), sorted and unique; '0' -> () (TGI's way to turn CUDA graphs off)."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise ValueError("expected batch sizes such as 1,2,4,8, or 0")
+    sizes = sorted({int(p) for p in parts})
+    return () if sizes == [0] else tuple(n for n in sizes if n > 0)
+
+
 def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text not in choices:
@@ -130,7 +143,8 @@ _FLAGS = (
     _Flag("dtype", _choice(DTYPES), f"dtype forced on the model: {', '.join(DTYPES)}"),
     _Flag("sharded", _bool, "shard the model over every visible GPU (true/false)"),
     _Flag("num_shard", _count, "number of tensor-parallel shards (default: visible GPUs, else 1)"),
-    _Flag("quantize", _choice(QUANTIZE), "quantization method (not supported yet)"),
+    _Flag("quantize", _choice(QUANTIZE), "quantization: gptq, awq, eetq (default: config.json's "
+          "quantization_config)"),
     _Flag("trust_remote_code", None, "accepted for compatibility: no hub code is ever run"),
     _Flag("max_concurrent_requests", _count, "requests in flight before 429 (default: 128)"),
     _Flag("max_best_of", _count, "largest best_of a client may ask for (default: 2)"),
@@ -158,14 +172,20 @@ _FLAGS = (
     _Flag("graceful_termination_timeout", _count, "seconds to drain requests on SIGTERM (default: 90)"),
     _Flag("disable_grammar_support", None, "refuse grammars, response_format schemas and tools (422)"),
     _Flag("flash_attention", None, "require flash-style attention (flash-attn on CUDA, SDPA on CPU)"),
+    _Flag("cuda_graphs", _batch_sizes, "decode batch sizes captured as CUDA graphs at warmup, "
+          "e.g. 1,2,4,8; 0 turns them off; CUDA only (default: 1,2,4,8,16,32)"),
     # Ours.
     _Flag("kv_cache_bytes", _size, "[ours] KV cache budget per shard, e.g. 2GiB (default: sized at Warmup)"),
     _Flag("num_threads", _count, "[ours] torch threads per shard on CPU (default: torch's)"),
+    _Flag("step_timeout", _float, "[ours] seconds one step may take before the shard counts as hung: "
+          "in-flight requests fail and the launcher exits 1 (default: 120; 0: no deadline)"),
+    _Flag("protect_metrics", None, "[ours] with --api-key, /metrics and /info need the key too "
+          "(/health stays open)"),
 )
 
 # TGI flags that have no effect here: accepted (and logged) so that a TGI
 # command line still starts. name -> takes a value.
-_IGNORED = {"validation_workers": True, "speculate": True, "cuda_graphs": True,
+_IGNORED = {"validation_workers": True, "speculate": True,
             "weights_cache_override": True, "disable_custom_kernels": False,
             "cuda_memory_fraction": True, "otlp_endpoint": True, "otlp_service_name": True,
             "max_client_batch_size": True,
@@ -290,10 +310,12 @@ def _num_shard(sharded: bool | None, num_shard: int | None, env: Mapping[str, st
 
 
 def _validate(c: RouterConfig) -> None:
-    if c.quantize is not None:
-        raise ConfigError(f"--quantize {c.quantize} is not supported yet")
+    if c.quantize is not None and c.quantize not in QUANTIZE_SERVED:
+        raise ConfigError(f"--quantize {c.quantize} is not supported (supported: {', '.join(QUANTIZE_SERVED)})")
     if c.waiting_served_ratio < 0:
         raise ConfigError(f"`waiting_served_ratio` must be >= 0. Given: {c.waiting_served_ratio}")
+    if c.step_timeout < 0:
+        raise ConfigError(f"`step_timeout` must be >= 0. Given: {c.step_timeout}")
     if c.max_batch_size == 0:
         raise ConfigError("`max_batch_size` must be > 0")
     if None not in (c.max_input_tokens, c.max_total_tokens) and c.max_input_tokens >= c.max_total_tokens:

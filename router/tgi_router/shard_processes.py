@@ -42,8 +42,9 @@ def shard_command(config: RouterConfig, rank: int) -> list[str]:
     # Ranks share the CPU: torch's default (every core each) would oversubscribe it.
     threads = config.num_threads or (max(1, (os.cpu_count() or 1) // config.num_shard)
                                      if config.num_shard > 1 else 0)
-    for flag, value in (("--dtype", config.dtype), ("--revision", config.revision),
-                        ("--kv-cache-bytes", config.kv_cache_bytes), ("--num-threads", threads)):
+    for flag, value in (("--dtype", config.dtype), ("--revision", config.revision), ("--quantize", config.quantize),
+                        ("--kv-cache-bytes", config.kv_cache_bytes), ("--num-threads", threads),
+                        ("--cuda-graphs", ",".join(map(str, config.cuda_graphs)))):
         if value:
             command += [flag, str(value)]
     return command

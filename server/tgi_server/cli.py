@@ -1,12 +1,17 @@
-"""`text-generation-server serve MODEL --uds-path PATH`: one shard process."""
+"""`text-generation-server serve MODEL --uds-path PATH`: one shard process.
+`text-generation-server quantize MODEL OUT --method gptq|awq`: writes a
+quantized checkpoint."""
 
 import argparse
 import asyncio
 import logging
 import os
 import sys
+from pathlib import Path
 
 from .config import ShardConfig
+
+QUANTIZE_METHODS = ("gptq", "awq", "eetq")  # quant.METHODS, without importing torch to parse flags
 
 log = logging.getLogger("tgi_server")
 
@@ -19,6 +24,15 @@ def non_negative(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a number of bytes, got {text!r}")
     return value
+
+
+def batch_sizes(text: str) -> tuple[int, ...]:
+    """'1,2,4' -> (1, 2, 4); '' or '0' -> ()."""
+    try:
+        sizes = sorted({int(p) for p in text.split(",") if p.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected batch sizes such as 1,2,4, got {text!r}") from None
+    return tuple(n for n in sizes if n > 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,9 +50,28 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-bytes", type=non_negative, default=0,
                        help="KV cache budget in bytes; 0 = a share of free memory at Warmup")
     serve.add_argument("--attention-backend", default=os.environ.get("TGI_ATTENTION_BACKEND") or None,
-                       help="reference, sdpa or flash_attn (env TGI_ATTENTION_BACKEND)")
+                       help="reference, sdpa, flash_attn or triton (env TGI_ATTENTION_BACKEND)")
+    serve.add_argument("--cuda-graphs", type=batch_sizes, default=(),
+                       help="decode batch sizes captured as CUDA graphs at Warmup, e.g. 1,2,4,8 (CUDA only)")
     serve.add_argument("--num-threads", type=int, default=0, help="torch threads on CPU (0 = torch default)")
+    serve.add_argument("--quantize", choices=QUANTIZE_METHODS, default=None,
+                       help="gptq | awq | eetq (default: config.json's quantization_config)")
     serve.add_argument("--json-output", action="store_true", help="log JSON lines")
+    quantize = sub.add_parser("quantize", help="write a GPTQ or AWQ checkpoint of a float model")
+    quantize.add_argument("model_id", help="local directory, .gguf file or hub id in the HF cache")
+    quantize.add_argument("output_dir", type=Path)
+    quantize.add_argument("--method", choices=["gptq", "awq"], required=True)
+    quantize.add_argument("--bits", type=int, choices=[4, 8], default=4)
+    quantize.add_argument("--group-size", type=int, default=128, help="input columns per scale (-1: per row)")
+    quantize.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by activation order")
+    quantize.add_argument("--sym", action="store_true", help="GPTQ: symmetric groups (default: asymmetric)")
+    quantize.add_argument("--samples", type=int, default=64, help="calibration sequences")
+    quantize.add_argument("--seq-len", type=int, default=128, help="tokens per calibration sequence")
+    quantize.add_argument("--calibration", default="stdlib",
+                          help="stdlib (Python's docstrings, default), generated (sampled by the model) "
+                               "or a text file")
+    quantize.add_argument("--seed", type=int, default=0)
+    quantize.add_argument("--num-threads", type=int, default=0, help="torch threads (0 = torch default)")
     return parser
 
 
@@ -51,13 +84,16 @@ def config_from_args(args: argparse.Namespace) -> ShardConfig:
     return ShardConfig(
         model_id=args.model_id, revision=args.revision, uds_path=args.uds_path, dtype=args.dtype,
         device=args.device, block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
-        attention_backend=args.attention_backend, num_threads=args.num_threads,
+        attention_backend=args.attention_backend, num_threads=args.num_threads, quantize=args.quantize,
         rank=rank, world_size=world_size, master_addr=os.environ.get("MASTER_ADDR", "localhost"),
-        master_port=int(os.environ.get("MASTER_PORT", "29500")))
+        master_port=int(os.environ.get("MASTER_PORT", "29500")), cuda_graphs=args.cuda_graphs)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.command == "quantize":
+        _quantize(args)
+        return
     _setup_logging(args.json_output)
     config = config_from_args(args)
     from .distributed import TensorParallelError
@@ -73,6 +109,22 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(run_shard(runner, info, config.socket_path))
     except KeyboardInterrupt:
         pass
+
+
+def _quantize(args: argparse.Namespace) -> None:
+    import torch
+
+    from .quant.quantizer import quantize_model
+    from .weights.errors import CheckpointError
+
+    if args.num_threads > 0:
+        torch.set_num_threads(args.num_threads)
+    try:
+        quantize_model(args.model_id, args.output_dir, args.method, args.bits, args.group_size, args.act_order,
+                       args.sym, args.samples, args.seq_len, args.seed, args.calibration)
+    except (CheckpointError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
 
 
 def _setup_logging(json_output: bool) -> None:

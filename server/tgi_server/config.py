@@ -16,10 +16,12 @@ class ShardConfig:
     kv_cache_bytes: int         # 0: chosen at Warmup from the device's free memory
     attention_backend: str | None
     num_threads: int            # torch intra-op threads on CPU; 0: torch's default
+    quantize: str | None = None  # gptq | awq | eetq; None: config.json's quantization_config, if any
     rank: int = 0
     world_size: int = 1
     master_addr: str = "localhost"  # where rank 0 hosts the tensor-parallel rendezvous
     master_port: int = 29500
+    cuda_graphs: tuple[int, ...] = ()  # decode batch sizes captured as CUDA graphs at Warmup (CUDA only)
 
     @property
     def socket_path(self) -> str:

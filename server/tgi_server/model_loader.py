@@ -11,6 +11,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from .distributed import TensorParallel
 from .models import ModelConfig, build_model
+from .quant import linear_format
 from .weights.errors import CheckpointError
 from .weights.resolve import ModelSource
 from .weights.source import GGUFSource, SafetensorsSource, TensorSource
@@ -45,24 +46,35 @@ def _cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def open_checkpoint(source: ModelSource, dtype: torch.dtype,
-                    device: torch.device) -> tuple[ModelConfig, TensorSource]:
+def open_checkpoint(source: ModelSource, dtype: torch.dtype, device: torch.device,
+                    quantize: str | None = None) -> tuple[ModelConfig, TensorSource]:
     """The model's facts and a source of its tensors in (dtype, device); reads
-    no weight. CheckpointError when the checkpoint cannot be served."""
+    no weight. `quantize` (gptq | awq | eetq; None: config.json's
+    quantization_config, if any) picks how linears load; a GGUF file serves
+    its Q4_0/Q4_1 blocks quantized. CheckpointError when the checkpoint
+    cannot be served."""
     if source.format == "gguf":
+        from .quant.gguf_linear import GGUFFormat
         from .weights.gguf import GGUFFile
 
+        if quantize is not None:
+            raise CheckpointError(f"--quantize {quantize} applies to safetensors checkpoints; "
+                                  "a GGUF file is served with its own quantization")
         file = GGUFFile(source.path)
-        return ModelConfig.from_hf(_config_from_dict(file.config)), GGUFSource(file, dtype, device)
+        weights = GGUFSource(file, dtype, device)
+        weights.linear_format = GGUFFormat(file)
+        return ModelConfig.from_hf(_config_from_dict(file.config)), weights
     try:
-        hf_config = AutoConfig.from_pretrained(source.path)
+        # Never the hub's code: a model that needs it fails here, without a prompt.
+        hf_config = AutoConfig.from_pretrained(source.path, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as err:
         raise CheckpointError(f"{source.path}/config.json: {str(err).splitlines()[0]}") from None
     quant = getattr(hf_config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-        raise CheckpointError(f"quantized checkpoints ({method}) are not supported yet")
-    return ModelConfig.from_hf(hf_config), SafetensorsSource(source.path, dtype, device)
+    if quant is not None and not isinstance(quant, dict):
+        quant = quant.to_dict()
+    weights = SafetensorsSource(source.path, dtype, device)
+    weights.linear_format = linear_format(quantize, quant)
+    return ModelConfig.from_hf(hf_config), weights
 
 
 def load_model(config: ModelConfig, weights: TensorSource, tp: TensorParallel) -> LoadedModel:
@@ -74,8 +86,9 @@ def load_model(config: ModelConfig, weights: TensorSource, tp: TensorParallel) -
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's distinct weights: parameters (a tied weight once)
-    and the oneDNN-prepacked linear weights, which are not parameters."""
+    """Bytes of the model's distinct weights: parameters (a tied weight once;
+    quantized layers hold their packed values as parameters) and the
+    oneDNN-prepacked linear weights, which are not parameters."""
     seen: dict[int, int] = {}
     for module in model.modules():
         tensors = list(module.parameters(recurse=False))

@@ -99,9 +99,9 @@ def test_cors_allow_origin_repeats():
 
 
 def test_other_tgi_flags_are_accepted_and_recorded_as_ignored():
-    argv = ["--cuda-graphs", "1,2", "--usage-stats", "off", "--disable-custom-kernels", "-e"]
+    argv = ["--speculate", "2", "--usage-stats", "off", "--disable-custom-kernels", "-e"]
     config = parse_args(argv, {"VALIDATION_WORKERS": "4"})
-    assert set(config.ignored_flags) == {"--cuda-graphs", "--usage-stats", "--disable-custom-kernels",
+    assert set(config.ignored_flags) == {"--speculate", "--usage-stats", "--disable-custom-kernels",
                                          "--env", "--validation-workers"}
 
 
@@ -134,8 +134,8 @@ INVALID = [
     (["--max-total-tokens", "-1"], {}, "invalid value '-1'"),
     (["--dtype", "int8"], {}, "possible values: float16, bfloat16, float32"),
     (["--quantize", "q9"], {}, "possible values: awq"),
-    (["--quantize", "gptq"], {}, "--quantize gptq is not supported yet"),
-    ([], {"QUANTIZE": "awq"}, "--quantize awq is not supported yet"),
+    (["--quantize", "fp8"], {}, "--quantize fp8 is not supported (supported: awq, eetq, gptq)"),
+    ([], {"QUANTIZE": "marlin"}, "--quantize marlin is not supported"),
     (["--num-shard", "0"], {}, "`num_shard` cannot be < 1"),
     (["--sharded", "true"], {}, "--num-shard and CUDA_VISIBLE_DEVICES/NVIDIA_VISIBLE_DEVICES/ZE_AFFINITY_MASK are not set"),
     (["--sharded", "true"], {"CUDA_VISIBLE_DEVICES": "0"}, "`sharded` is true but only found 1 CUDA devices"),

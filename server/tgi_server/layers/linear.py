@@ -1,5 +1,6 @@
-"""Dense linear layers, whole or split over the ranks of a tensor-parallel
-group.
+"""Linear layers, whole or split over the ranks of a tensor-parallel group;
+dense, or swapped for a QuantLinear when the checkpoint's linears are
+quantized (TensorSource.linear_format), with the same slicing.
 
 Column-parallel: a rank holds some output rows of the weight, and its output
 stays split (the next layer consumes the rank's part). A merged layer
@@ -14,6 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..distributed import TensorParallel
+from ..quant import QuantizedMatrix, QuantLinear, stack_rows
 from ..weights.source import TensorSource
 
 # oneDNN repacks a plain bf16 weight into its blocked layout on every call;
@@ -48,23 +50,28 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(weight, requires_grad=False)
 
     @classmethod
-    def load_column(cls, weights: TensorSource, parts: list[tuple[str, int, int]], bias: bool) -> "Linear":
+    def load_column(cls, weights: TensorSource, parts: list[tuple[str, int, int]], bias: bool) -> nn.Module:
         """Rows [start, stop) of each (prefix, start, stop) part's `prefix.weight`
-        (and `prefix.bias`), concatenated in order: weight [sum(stop - start), in]."""
-        weight = _cat([weights.get_slice(f"{p}.weight", 0, start, stop) for p, start, stop in parts])
+        (and `prefix.bias`), concatenated in order: weight [sum(stop - start), in].
+        A quantized checkpoint (weights.linear_format) gives a QuantLinear."""
         b = _cat([weights.get_slice(f"{p}.bias", 0, start, stop) for p, start, stop in parts]) if bias else None
-        return cls(weight, b)
+        if weights.linear_format is None:
+            return cls(_cat([weights.get_slice(f"{p}.weight", 0, start, stop) for p, start, stop in parts]), b)
+        loaded = [weights.linear_format.load(weights, p, 0, start, stop) for p, start, stop in parts]
+        return _build(weights, loaded, b, None)
 
     @classmethod
     def load_row(cls, weights: TensorSource, prefix: str, in_features: int, bias: bool,
-                 tp: TensorParallel) -> "Linear":
+                 tp: TensorParallel) -> nn.Module:
         """This rank's share of the `in_features` input columns: weight
         [out, in_features / world_size]; outputs summed over the ranks. The
         bias is added once, by rank 0, before the sum."""
         start, stop = tp.split(in_features)
-        weight = weights.get_slice(f"{prefix}.weight", 1, start, stop)
         b = weights.get(f"{prefix}.bias") if bias and tp.rank == 0 else None
-        return cls(weight, b, tp if tp.world_size > 1 else None)
+        reduce = tp if tp.world_size > 1 else None
+        if weights.linear_format is None:
+            return cls(weights.get_slice(f"{prefix}.weight", 1, start, stop), b, reduce)
+        return _build(weights, [weights.linear_format.load(weights, prefix, 1, start, stop)], b, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -76,3 +83,14 @@ class Linear(nn.Module):
 
 def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+
+
+def _build(weights: TensorSource, parts: list[QuantizedMatrix | torch.Tensor], bias: torch.Tensor | None,
+           reduce: TensorParallel | None) -> nn.Module:
+    """One layer from row blocks that a LinearFormat loaded: a QuantLinear
+    when all are quantized; a dense Linear when some block type has no
+    quantized kernel (those quantized are then dequantized with it)."""
+    if all(isinstance(p, QuantizedMatrix) for p in parts):
+        return QuantLinear(stack_rows(parts), bias, weights.dtype, weights.device, reduce)
+    dense = [p.dequantize(weights.dtype).to(weights.device) if isinstance(p, QuantizedMatrix) else p for p in parts]
+    return Linear(_cat(dense), bias, reduce)

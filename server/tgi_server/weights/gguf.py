@@ -94,12 +94,23 @@ class GGUFFile:
 
     def tensor(self, name: str) -> np.ndarray:
         """Tensor `name` dequantized to float32 in its HF shape and row order; KeyError if absent."""
-        tensor, kind, shape = self._tensors[name]
+        tensor, _, shape = self._tensors[name]
         array = _dequantize(tensor, shape, self.path)
-        if self.config["model_type"] in _PERMUTED and kind in ("attn_q", "attn_k"):
-            heads = self.config["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"]
-            array = _unpermute_rotary(array, heads)
-        return array
+        order = self._row_order(name)
+        return array if order is None else array[order]
+
+    def blocks(self, name: str) -> tuple[np.ndarray, GGMLQuantizationType, np.ndarray | None]:
+        """Tensor `name` as stored: (bytes [rows, bytes per row] uint8, block
+        type, the row order giving HF's rows or None); KeyError if absent."""
+        tensor = self._tensors[name][0]
+        return np.asarray(tensor.data), GGMLQuantizationType(tensor.tensor_type), self._row_order(name)
+
+    def _row_order(self, name: str) -> np.ndarray | None:
+        tensor, kind, shape = self._tensors[name]
+        if self.config["model_type"] not in _PERMUTED or kind not in ("attn_q", "attn_k"):
+            return None
+        heads = self.config["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"]
+        return _unpermute_rotary(np.arange(shape[0]), heads)
 
 
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype) -> GGUFCheckpoint:

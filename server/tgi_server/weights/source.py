@@ -16,12 +16,14 @@ from safetensors import SafetensorError, safe_open
 from .errors import CheckpointError
 
 if TYPE_CHECKING:
+    from ..quant.methods import LinearFormat
     from .gguf import GGUFFile
 
 
 class TensorSource(Protocol):
     dtype: torch.dtype
     device: torch.device
+    linear_format: LinearFormat | None  # how linear layers load; None: dense `.weight` tensors
 
     def has(self, name: str) -> bool: ...
 
@@ -46,6 +48,7 @@ class SafetensorsSource:
 
     def __init__(self, directory: Path, dtype: torch.dtype, device: torch.device):
         self.dtype, self.device = dtype, device
+        self.linear_format = None
         self._file_of: dict[str, Path] = {}
         files = sorted(directory.glob("*.safetensors"))
         index = directory / "model.safetensors.index.json"
@@ -77,7 +80,12 @@ class SafetensorsSource:
         # Reads only the slice's bytes from the memory-mapped file.
         return self._read(name, lambda handle: handle.get_slice(name)[_index(dim, start, stop)])
 
-    def _read(self, name: str, read: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+    def get_raw(self, name: str) -> torch.Tensor:
+        """The tensor as stored (its own dtype, on the CPU): packed quantized
+        weights are not converted."""
+        return self._read(name, lambda handle: handle.get_tensor(name), convert=False)
+
+    def _read(self, name: str, read: Callable[[Any], torch.Tensor], convert: bool = True) -> torch.Tensor:
         path = self._file_of.get(name)
         if path is None:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint")
@@ -85,7 +93,7 @@ class SafetensorsSource:
             tensor = read(self._handles[path])
         except (SafetensorError, OSError) as err:
             raise CheckpointError(f"{path}: cannot read tensor {name!r} ({err})") from None
-        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+        return tensor.to(device=self.device, dtype=self.dtype).contiguous() if convert else tensor
 
 
 class GGUFSource:
@@ -94,6 +102,7 @@ class GGUFSource:
 
     def __init__(self, file: GGUFFile, dtype: torch.dtype, device: torch.device):
         self.dtype, self.device = dtype, device
+        self.linear_format = None
         self._file = file
         self._names = set(file.names)
 

@@ -1,0 +1,102 @@
+"""Quantization benchmark: SmolLM2-135M-Instruct served bf16, EETQ (int8),
+GPTQ 4-bit, AWQ 4-bit and GGUF Q4_1, all in this process on 2 threads.
+
+Each variant is loaded by the shard's own loader (bf16 activations) and
+driven through ModelRunner.step, the call behind the gRPC Step: BATCH
+prompts of PROMPT_TOKENS tokens are prefilled, then DECODE_STEPS greedy
+decode steps are timed. Reported per variant: weight bytes held and decode
+tokens/s at batch 1 and 32 (best of REPEATS interleaved rounds: the machine is shared). The
+bf16 baseline is the GGUF file dequantized once and saved as safetensors.
+`int4_b1_vs_bf16` is GPTQ-4bit's batch-1 decode speed over bf16's.
+Quantized checkpoints are written once into CACHE (a few minutes each)."""
+
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tgi_proto import pb
+from tgi_server.distributed import TensorParallel
+from tgi_server.model_loader import load_model, open_checkpoint
+from tgi_server.model_runner import ModelRunner
+from tgi_server.quant.quantizer import quantize_model, save_float_model
+from tgi_server.weights.resolve import default_model_path, resolve_model
+
+THREADS = 2
+PROMPT_TOKENS = 32
+DECODE_STEPS = 32
+BATCHES = (1, 32)
+REPEATS = 3
+BLOCK = 16
+CACHE = Path(tempfile.gettempdir()) / "tgi-py-bench-quant"
+
+
+def checkpoints() -> dict[str, tuple[str, str | None]]:
+    """name -> (model path, --quantize); quantizes what CACHE lacks."""
+    float_dir, gptq, awq = CACHE / "bf16", CACHE / "gptq-4bit", CACHE / "awq-4bit"
+    if not (float_dir / "config.json").exists():
+        save_float_model(None, float_dir)
+    # The GPTQ solver is many small ops: one thread is faster than two.
+    torch.set_num_threads(1)
+    if not (gptq / "config.json").exists():
+        quantize_model(None, gptq, "gptq", group_size=32, act_order=True)
+    if not (awq / "config.json").exists():
+        quantize_model(None, awq, "awq", group_size=32)
+    torch.set_num_threads(THREADS)
+    return {"bf16": (str(float_dir), None), "eetq": (str(float_dir), "eetq"), "gptq_4bit": (str(gptq), None),
+            "awq_4bit": (str(awq), None), "gguf_q4_1": (str(default_model_path()), None)}
+
+
+def decode_tok_s(runner: ModelRunner, batch: int) -> float:
+    """Greedy decode tokens/s of `batch` sequences after their prefill."""
+    blocks = -(-(PROMPT_TOKENS + DECODE_STEPS + 1) // BLOCK)
+    new = [pb.NewSequence(id=i + 1, token_ids=[(7 * i + j) % 5000 + 100 for j in range(PROMPT_TOKENS)],
+                          prompt_length=PROMPT_TOKENS, num_scheduled_tokens=PROMPT_TOKENS,
+                          block_table=list(range(i * blocks, (i + 1) * blocks)),
+                          parameters=pb.SamplingParameters()) for i in range(batch)]
+    last = {g.id: g.token_id for g in runner.step(pb.StepRequest(step_id=0, new_sequences=new)).generations}
+    start = time.perf_counter()
+    for step in range(DECODE_STEPS):
+        running = [pb.RunningSequence(id=i, append_token_ids=[t], num_scheduled_tokens=1) for i, t in last.items()]
+        last = {g.id: g.token_id for g in runner.step(pb.StepRequest(step_id=step + 1, running=running)).generations}
+    elapsed = time.perf_counter() - start
+    runner.step(pb.StepRequest(step_id=DECODE_STEPS + 1, release_ids=list(last)))
+    return batch * DECODE_STEPS / elapsed
+
+
+def load(path: str, quantize: str | None) -> tuple[ModelRunner, int]:
+    """(warmed-up runner, weight bytes) of one variant, bf16 activations."""
+    config, weights = open_checkpoint(resolve_model(path), torch.bfloat16, torch.device("cpu"), quantize)
+    loaded = load_model(config, weights, TensorParallel())
+    runner = ModelRunner(loaded, BLOCK, None, 256 << 20, None)
+    runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=max(BATCHES) * PROMPT_TOKENS,
+                                   max_batch_size=max(BATCHES)))
+    for batch in BATCHES:
+        decode_tok_s(runner, batch)  # first-call costs out of the way
+    return runner, loaded.weight_bytes
+
+
+def run() -> dict:
+    torch.set_num_threads(THREADS)
+    runners = {name: load(path, quantize) for name, (path, quantize) in checkpoints().items()}
+    results = {name: {"weight_mib": round(size / 2 ** 20, 1)} for name, (_, size) in runners.items()}
+    # Rounds interleave the variants, so that a burst of load from other
+    # processes on this shared machine does not land on one variant only.
+    for _ in range(REPEATS):
+        for name, (runner, _) in runners.items():
+            for batch in BATCHES:
+                key = f"b{batch}_tok_s"
+                results[name][key] = round(max(results[name].get(key, 0.0), decode_tok_s(runner, batch)), 1)
+    print(f"\nQuantization benchmark: SmolLM2-135M, bf16 activations, {THREADS} threads, "
+          f"{PROMPT_TOKENS}-token prompts, {DECODE_STEPS} decode steps")
+    print(f"{'':<12}{'weights MiB':>12}" + "".join(f"{f'b{b} tok/s':>12}" for b in BATCHES))
+    for name, r in results.items():
+        print(f"{name:<12}{r['weight_mib']:>12}" + "".join(f"{r[f'b{b}_tok_s']:>12}" for b in BATCHES))
+    out = {f"quant_{name}_{key}": value for name, r in results.items() for key, value in r.items()}
+    base = results["bf16"]["b1_tok_s"]
+    out["int4_b1_vs_bf16"] = round(results["gptq_4bit"]["b1_tok_s"] / base, 2)
+    out["awq_b1_vs_bf16"] = round(results["awq_4bit"]["b1_tok_s"] / base, 2)
+    out["gguf_q4_1_b1_vs_bf16"] = round(results["gguf_q4_1"]["b1_tok_s"] / base, 2)
+    out["eetq_b1_vs_bf16"] = round(results["eetq"]["b1_tok_s"] / base, 2)
+    return out

@@ -1,0 +1,98 @@
+"""`QuantLinear`: y = x @ w.T + bias with w held quantized, in the fastest
+layout this device has for it.
+
+On CPU, chosen once at load:
+- "int4": 4-bit values whose groups, after sorting the input columns by
+  group (act-order), are runs of equal length: torch's packed int4 GEMM
+  (`_weight_int4pack_mm_for_cpu`, groups of 32/64/128/256, N % 16 == 0).
+  It computes w = (q - 8) * scale + zero, so zero = offset + 8 * scale.
+- "int8": 8-bit values with one group per row: `_weight_int8pack_mm`
+  (w = q_int8 * scale); an asymmetric row adds sum(x) * its constant.
+- "dequant": anything else, and every format on CUDA: the values stay uint8
+  and each call dequantizes then multiplies (correct, not fast).
+"""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..distributed import TensorParallel
+from .quantized_matrix import QuantizedMatrix
+
+INT4_GROUP_SIZES = (256, 128, 64, 32)
+
+
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)
+
+
+class QuantLinear(nn.Module):
+    """A quantized Linear: x [T, in] -> [T, out] in x's dtype.
+
+    reduce: the group over which y is summed (row-parallel, world size > 1).
+    `kernel` names the layout chosen ("int4" | "int8" | "dequant")."""
+
+    def __init__(self, matrix: QuantizedMatrix, bias: torch.Tensor | None, dtype: torch.dtype,
+                 device: torch.device, reduce: TensorParallel | None = None):
+        super().__init__()
+        self.out_features, self.in_features = matrix.shape
+        self.bias = None if bias is None else _frozen(bias)
+        self.reduce = reduce
+        self.register_buffer("perm", None, persistent=False)  # [K] input order for act-order int4, else None
+        if device.type == "cpu" and self._init_int4(matrix, dtype):
+            self.kernel = "int4"
+        elif device.type == "cpu" and matrix.bits == 8 and matrix.scales.shape[1] == 1:
+            self._init_int8(matrix, dtype)
+            self.kernel = "int8"
+        else:
+            self.q = _frozen(matrix.q.to(device))                               # [N, K] uint8
+            self.scales = _frozen(matrix.scales.to(device, dtype))              # [N, G]
+            self.offsets = _frozen(matrix.offsets.to(device, dtype))            # [N, G]
+            self.register_buffer("group", matrix.group.to(device), persistent=False)  # [K]
+            self.kernel = "dequant"
+
+    def _init_int4(self, m: QuantizedMatrix, dtype: torch.dtype) -> bool:
+        if m.bits != 4 or self.out_features % 16:
+            return False
+        order = torch.argsort(m.group, stable=True)  # [K]: input columns sorted by group
+        counts = torch.bincount(m.group, minlength=m.scales.shape[1])
+        run = int(counts[0])
+        if not bool((counts == run).all()):
+            return False
+        size = next((s for s in INT4_GROUP_SIZES if run % s == 0), None)
+        if size is None:
+            return False
+        if not torch.equal(order, torch.arange(self.in_features)):
+            self.perm = order
+        q = m.q[:, order].to(torch.int32)  # [N, K], groups now contiguous
+        # Groups longer than the kernel's repeat their scale: [N, G] -> [N, K / size].
+        scales = m.scales.repeat_interleave(run // size, dim=1)
+        zeros = m.offsets.repeat_interleave(run // size, dim=1) + 8 * scales
+        self.packed = _frozen(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))  # [N, K / 2] uint8
+        self.scale_zeros = _frozen(torch.stack([scales, zeros], -1).transpose(0, 1).contiguous().to(dtype))  # [K/size, N, 2]
+        self.group_size = size
+        return True
+
+    def _init_int8(self, m: QuantizedMatrix, dtype: torch.dtype) -> None:
+        scales, offsets = m.scales[:, 0], m.offsets[:, 0]  # [N]
+        self.q8 = _frozen((m.q.to(torch.int16) - 128).to(torch.int8))  # [N, K]
+        self.scale8 = _frozen(scales.to(dtype))
+        # w = (q - 128) * s + (offset + 128 s): the second term is one constant per row.
+        constant = offsets + 128 * scales
+        self.row_constant = None if bool((constant.abs() <= 1e-6 * scales).all()) else _frozen(constant.to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "int4":
+            xs = x if self.perm is None else x.index_select(-1, self.perm)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xs.contiguous(), self.packed, self.group_size,
+                                                           self.scale_zeros)
+        elif self.kernel == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q8, self.scale8)
+            if self.row_constant is not None:
+                y = y + x.sum(-1, keepdim=True) * self.row_constant
+        else:
+            w = self.q.to(x.dtype) * self.scales[:, self.group] + self.offsets[:, self.group]  # [N, K]
+            y = F.linear(x, w)
+        if self.bias is not None:
+            y = y + self.bias
+        return y if self.reduce is None else self.reduce.all_reduce_sum(y)

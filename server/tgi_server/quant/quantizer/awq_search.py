@@ -1,0 +1,37 @@
+"""AWQ (Lin et al., 2023): before rounding, scale up the input channels that
+carry large activations (and scale the op feeding them down by the same
+factors), so their weights lose less to rounding. The factors are
+s = mean|x|^alpha, with alpha picked on a grid to minimise the error of the
+layers' outputs on calibration inputs."""
+
+import torch
+
+from ..quantized_matrix import quantize_rtn
+
+GRID = 20
+
+
+def fake_quantize(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """weight [N, K] rounded as AWQ stores it (4 bits, asymmetric groups) and back."""
+    return quantize_rtn(weight, 4, group_size, symmetric=False, search=True).dequantize()
+
+
+def search_scales(inputs: torch.Tensor, weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
+    """inputs [T, K]: calibration inputs shared by `weights` (each [N_i, K]).
+    -> per-input-channel factors s [K]: quantize W * s, feed the inputs / s.
+    alpha = 0 (s = 1, plain rounding) is on the grid, so the result is never
+    worse than rounding on these inputs."""
+    x = inputs.float()
+    w = torch.cat([t.float() for t in weights])  # [sum N_i, K]
+    reference = x @ w.T                           # [T, sum N_i]
+    activation = x.abs().mean(0)                  # [K]
+    best, best_loss = torch.ones_like(activation), float("inf")
+    for step in range(GRID):
+        alpha = step / GRID
+        s = activation.pow(alpha).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        approx = x @ (fake_quantize(w * s, group_size) / s).T
+        loss = float((approx - reference).pow(2).mean())
+        if loss < best_loss:
+            best, best_loss = s, loss
+    return best

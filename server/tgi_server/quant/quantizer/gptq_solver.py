@@ -1,0 +1,62 @@
+"""GPTQ (Frantar et al., 2022): quantize a weight column by column, each
+time spreading the rounding error over the columns not yet quantized in the
+proportions the inverse Hessian of the layer's inputs gives, so that the
+layer's outputs on the calibration data move as little as possible."""
+
+import torch
+
+from ..quantized_matrix import QuantizedMatrix, affine_grid
+
+BLOCK = 128     # columns updated together before the lazy update of the rest
+DAMP = 0.01     # fraction of the mean diagonal added to H for stability
+
+
+def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int,
+                  act_order: bool, symmetric: bool = True) -> QuantizedMatrix:
+    """weight [N, K], hessian [K, K] = X^T X / n over the calibration inputs
+    -> QuantizedMatrix on affine_grid's searched grids; an asymmetric zero
+    stays in [1, 2**bits - 1] so that GPTQ's v1 layout (zero - 1 stored)
+    holds it.
+
+    act_order: columns are quantized in order of decreasing H diagonal (the
+    most-used inputs first); the groups then follow that order, and `group`
+    (the checkpoint's g_idx) maps each column to its group."""
+    n, k = weight.shape
+    size = k if group_size == -1 else group_size
+    if k % size:
+        raise ValueError(f"{k} input columns do not split into groups of {size} (pick a --group-size dividing it)")
+    w = weight.float().clone()
+    h = hessian.float().clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(k)
+    w, h = w[:, perm], h[perm][:, perm]
+    h += DAMP * torch.mean(torch.diag(h)) * torch.eye(k)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)  # [K, K]
+
+    top = 2 ** bits - 1
+    q = torch.zeros(n, k, dtype=torch.uint8)
+    scales = torch.zeros(n, k // size)
+    zeros = torch.full((n, k // size), float(2 ** (bits - 1)))
+    for start in range(0, k, BLOCK):
+        stop = min(start + BLOCK, k)
+        block = w[:, start:stop].clone()     # [N, B]
+        errors = torch.zeros_like(block)     # [N, B]
+        for i in range(stop - start):
+            col = start + i
+            if col % size == 0:
+                # The group's scale comes from its columns as they are now (earlier errors folded in).
+                pending = torch.cat([block[:, i:], w[:, stop:]], dim=1)[:, :size]
+                scales[:, col // size], zeros[:, col // size] = affine_grid(pending, bits, symmetric, 1, search=True)
+            scale, zero = scales[:, col // size], zeros[:, col // size]
+            values = torch.clamp(torch.round(block[:, i] / scale) + zero, 0, top)
+            q[:, col] = values.to(torch.uint8)
+            err = (block[:, i] - (values - zero) * scale) / hinv[col, col]
+            block[:, i:] -= err[:, None] * hinv[col, start + i:stop][None, :]
+            errors[:, i] = err
+        w[:, stop:] -= errors @ hinv[start:stop, stop:]
+
+    inverse = torch.argsort(perm)
+    group = (torch.arange(k) // size)[inverse]  # [K]: the group of each original column
+    return QuantizedMatrix(q[:, inverse].contiguous(), scales, -zeros * scales, group, bits)

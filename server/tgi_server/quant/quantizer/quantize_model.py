@@ -1,0 +1,106 @@
+"""`quantize_model`: a float checkpoint (HF directory or GGUF file) in, a
+GPTQ or AWQ checkpoint out (see export.py for the layouts)."""
+
+from pathlib import Path
+
+import torch
+import transformers
+
+from ...weights.resolve import resolve_model
+from .awq_search import search_scales
+from .calibration import INPUT_GROUPS, calibration_ids, collect_inputs
+from .export import save_quantized
+from .gptq_solver import gptq_quantize
+from ..quantized_matrix import QuantizedMatrix, quantize_rtn
+
+
+def quantize_model(model_id: str | None, out: Path, method: str, bits: int = 4, group_size: int = 128,
+                   act_order: bool = False, symmetric: bool = False, samples: int = 64, length: int = 128,
+                   seed: int = 0, calibration: str | Path = "stdlib") -> None:
+    """Quantize every decoder linear of `model_id` (None: the default model)
+    with GPTQ (`bits` 4 or 8, symmetric or not, optional act-order) or AWQ
+    (4 bits, asymmetric, searched scales) and write the checkpoint to `out`.
+    calibration: "stdlib", "generated" or a text file (calibration.py)."""
+    if method == "awq" and (bits != 4 or act_order or symmetric):
+        raise ValueError("AWQ writes asymmetric 4-bit checkpoints without act-order")
+    model, tokenizer = load_float_model(model_id)
+    ids = calibration_ids(model, tokenizer, samples, length, seed, calibration)
+    inputs = collect_inputs(model, ids, hessians=method == "gptq")
+    matrices: dict[str, QuantizedMatrix] = {}
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}"
+        if method == "awq":
+            _awq_rescale(layer, prefix, inputs.samples, group_size)
+        for caught, members in INPUT_GROUPS.items():
+            weights = [_module(layer, name).weight.detach() for name in members]
+            if method == "gptq":
+                # GPTQ treats rows independently given H: linears sharing inputs go through it together.
+                h = inputs.hessians[f"{prefix}.{caught}"]
+                stacked = gptq_quantize(torch.cat(weights), h, bits, group_size, act_order, symmetric)
+                bounds = torch.tensor([0] + [w.shape[0] for w in weights]).cumsum(0).tolist()
+                parts = [stacked.rows(slice(a, b)) for a, b in zip(bounds, bounds[1:])]
+            else:
+                parts = [quantize_rtn(w, 4, group_size, symmetric=False, search=True) for w in weights]
+            matrices.update({f"{prefix}.{name}": part for name, part in zip(members, parts)})
+    save_quantized(model, matrices, out, method, group_size, act_order, symmetric, tokenizer)
+
+
+def _awq_rescale(layer, prefix: str, samples: dict[str, torch.Tensor], group_size: int) -> None:
+    """Folds AWQ's searched factors into the layer: q/k/v and gate/up columns
+    times s, their norm divided by s; down columns times s, up rows divided
+    by s. (o_proj's input comes from v through attention; folding needs v's
+    rows to match o's columns, so, as AutoAWQ does with grouped KV heads, it
+    is left unscaled unless they match.)"""
+    attn, mlp = layer.self_attn, layer.mlp
+    pairs = [("self_attn.q_proj", layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj]),
+             ("mlp.gate_proj", layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj]),
+             ("mlp.down_proj", mlp.up_proj, [mlp.down_proj])]
+    if attn.v_proj.weight.shape[0] == attn.o_proj.weight.shape[1]:
+        pairs.append(("self_attn.o_proj", attn.v_proj, [attn.o_proj]))
+    with torch.no_grad():
+        for caught, previous, linears in pairs:
+            x = samples[f"{prefix}.{caught}"]
+            s = search_scales(x, [m.weight for m in linears], group_size)  # [K]
+            for m in linears:
+                m.weight.mul_(s)
+            if previous.weight.dim() == 1:  # a norm's weight
+                previous.weight.div_(s)
+            else:                           # a linear's output rows
+                previous.weight.div_(s[:, None])
+                if getattr(previous, "bias", None) is not None:
+                    previous.bias.div_(s)
+
+
+def _module(layer, name: str):
+    owner, attr = name.split(".")
+    return getattr(getattr(layer, owner), attr)
+
+
+def save_float_model(model_id: str | None, out: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    """`model_id` (a GGUF file too, dequantized) as a plain safetensors
+    directory in `dtype`: the full-precision side of comparisons."""
+    model, tokenizer = load_float_model(model_id)
+    model.to(dtype).save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+
+
+def load_float_model(model_id: str | None):
+    """(transformers model in float32, its tokenizer or None)."""
+    source = resolve_model(model_id)
+    if source.format == "gguf":
+        from ...weights.gguf import load_gguf, load_gguf_tokenizer
+
+        checkpoint = load_gguf(source.path, torch.float32)
+        values = dict(checkpoint.config)
+        config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        model.load_state_dict(checkpoint.tensors, strict=False)
+        model.tie_weights()
+        return model.eval(), load_gguf_tokenizer(source.path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).eval()
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(source.path)
+    except (OSError, ValueError):
+        tokenizer = None  # a tokenizer-less checkpoint still calibrates on generated ids
+    return model, tokenizer

@@ -1,0 +1,130 @@
+"""QuantLinear and the checkpoint encodings: every kernel computes what the
+dequantized weight computes, and each format's packing reads back exactly."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from tgi_server.quant import QuantLinear, QuantizedMatrix, quantize_rtn
+from tgi_server.quant.gguf_linear import decode_q4
+from tgi_server.quant.packing import awq_pack, awq_unpack, pack, unpack
+from tgi_server.quant.quantizer.export import awq_tensors, gptq_tensors
+from tgi_server.quant.quantizer.gptq_solver import gptq_quantize
+
+CPU = torch.device("cpu")
+
+
+def random_weight(n: int = 48, k: int = 128, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+
+
+def run(matrix: QuantizedMatrix, dtype=torch.float32, t: int = 5, bias=None) -> tuple[QuantLinear, torch.Tensor, torch.Tensor]:
+    """(layer, its output, the dequantized reference) on random x [t, K]."""
+    layer = QuantLinear(matrix, bias, dtype, CPU)
+    x = torch.randn(t, matrix.shape[1], generator=torch.Generator().manual_seed(1)).to(dtype)
+    reference = x.float() @ matrix.dequantize().T + (0 if bias is None else bias.float())
+    with torch.inference_mode():
+        return layer, layer(x).float(), reference
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128, -1])
+def test_int4_kernel_matches_the_dequantized_weight(group_size):
+    layer, y, ref = run(quantize_rtn(random_weight(), 4, group_size, symmetric=False))
+    assert layer.kernel == "int4"
+    assert rel_err(y, ref) < 1e-5
+
+
+def test_int4_kernel_in_bfloat16_stays_within_bfloat16_rounding():
+    layer, y, ref = run(quantize_rtn(random_weight(), 4, 32, symmetric=True), torch.bfloat16, t=32)
+    assert layer.kernel == "int4" and rel_err(y, ref) < 2e-2
+
+
+def test_act_order_groups_run_on_int4_with_the_input_permuted():
+    w = random_weight()
+    m = gptq_quantize(w, torch.diag(torch.rand(128) + 0.1), 4, 32, act_order=True)
+    assert not torch.equal(m.group, torch.sort(m.group).values)  # really unsorted
+    layer, y, ref = run(m)
+    assert layer.kernel == "int4" and layer.perm is not None and rel_err(y, ref) < 1e-5
+
+
+def test_symmetric_int8_per_row_runs_on_the_int8_kernel():
+    layer, y, ref = run(quantize_rtn(random_weight(), 8, -1, symmetric=True))
+    assert layer.kernel == "int8" and layer.row_constant is None and rel_err(y, ref) < 1e-5
+
+
+def test_asymmetric_int8_per_row_adds_the_row_constant():
+    layer, y, ref = run(quantize_rtn(random_weight() + 0.5, 8, -1, symmetric=False))
+    assert layer.kernel == "int8" and layer.row_constant is not None and rel_err(y, ref) < 1e-5
+
+
+@pytest.mark.parametrize("bits, group_size, n", [(8, 32, 48), (4, 32, 40)], ids=["int8-groups", "n-not-16x"])
+def test_layouts_without_a_kernel_dequantize_per_call(bits, group_size, n):
+    layer, y, ref = run(quantize_rtn(random_weight(n), bits, group_size, symmetric=True), bias=torch.ones(n))
+    assert layer.kernel == "dequant" and rel_err(y, ref) < 1e-5
+
+
+def test_rtn_error_is_within_half_a_step():
+    w = random_weight()
+    m = quantize_rtn(w, 4, 32, symmetric=False)
+    step = m.scales[:, m.group]
+    assert bool(((m.dequantize() - w).abs() <= step / 2 + 1e-6).all())
+
+
+@pytest.mark.parametrize("bits, dim", [(4, 0), (4, 1), (8, 0), (8, 1)])
+def test_gptq_packing_round_trips(bits, dim):
+    values = torch.randint(0, 2 ** bits, (16, 32))
+    assert torch.equal(unpack(pack(values, bits, dim), bits, dim), values.to(torch.uint8))
+
+
+def test_awq_packing_uses_the_interleaved_order():
+    assert int(awq_pack(torch.arange(8)[None])) == 0x75316420  # slot i holds column (0,2,4,6,1,3,5,7)[i]
+    values = torch.randint(0, 16, (4, 64))
+    assert torch.equal(awq_unpack(awq_pack(values)), values.to(torch.uint8))
+
+
+def test_gptq_export_stores_zeros_minus_one():
+    m = quantize_rtn(random_weight(), 4, 32, symmetric=True)
+    tensors = gptq_tensors("p", m)
+    assert set(unpack(tensors["p.qzeros"], 4, 1).flatten().tolist()) == {7}
+    assert tensors["p.qweight"].shape == (16, 48) and tensors["p.scales"].shape == (4, 48)
+
+
+def test_awq_export_shapes():
+    tensors = awq_tensors("p", quantize_rtn(random_weight(), 4, 32, symmetric=False))
+    assert tensors["p.qweight"].shape == (128, 6) and tensors["p.qzeros"].shape == (4, 6)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_gguf_q4_blocks_decode_to_what_gguf_dequantizes(qtype):
+    w = random_weight(16, 64).numpy().astype(np.float32)
+    blocks = quantize(w, qtype)  # [16, bytes per row]
+    expected = dequantize(blocks, qtype).reshape(16, 64)
+    assert np.allclose(decode_q4(blocks, qtype).dequantize().numpy(), expected, atol=1e-6)
+
+
+def test_gptq_beats_round_to_nearest_on_correlated_inputs():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(512, 128, generator=g) @ torch.randn(128, 128, generator=g) * 0.3  # [T, K]
+    w = random_weight()
+    h = x.T @ x / len(x)
+
+    def output_error(m):
+        return float(((x @ m.dequantize().T) - x @ w.T).pow(2).mean())
+    assert output_error(gptq_quantize(w, h, 4, 32, act_order=False)) < output_error(quantize_rtn(w, 4, 32, True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (8, -1)])
+def test_cuda_layers_dequantize_per_call_and_match_the_reference(bits, group_size):
+    matrix = quantize_rtn(random_weight(), bits, group_size, symmetric=False)
+    layer = QuantLinear(matrix, None, torch.bfloat16, torch.device("cuda"))
+    x = torch.randn(7, 128, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        y = layer(x).float().cpu()
+    assert layer.kernel == "dequant" and rel_err(y, x.float().cpu() @ matrix.dequantize().T) < 2e-2

@@ -1,0 +1,165 @@
+"""Quantized checkpoints served end to end on tiny random models: the
+in-repo quantizer writes GPTQ / AWQ checkpoints, the shard loads them back
+(method read from config.json), and its logits equal transformers' on the
+dequantized weights and stay near the float model's; EETQ quantizes a float
+checkpoint at load; GGUF Q4 files run on their blocks; tensor parallelism
+composes with quantization."""
+
+import asyncio
+
+import pytest
+import torch
+import transformers
+
+from tgi_proto import pb
+from tgi_server.cli import main as server_cli
+from tgi_server.distributed import TensorParallel
+from tgi_server.model_loader import load_model, open_checkpoint
+from tgi_server.model_runner import ModelRunner
+from tgi_server.quant import QuantLinear, quantize_rtn
+from tgi_server.weights.errors import CheckpointError
+from tgi_server.weights.gguf import load_gguf
+from tgi_server.weights.resolve import resolve_model
+
+from ..shard_harness import InProcessShard, ShardProcesses, run_prompts, save_tiny_model
+from .test_engine_matches_hf import engine_logits
+from .test_gguf import Q, tiny_hf_tensors, write_tiny_gguf
+
+PROMPTS = [[1, 17, 33, 91, 5, 200, 3, 4, 9, 64], list(range(3, 40))]
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# name -> `text-generation-server quantize` flags (groups of 32: the tiny model's hidden size is 64)
+METHODS = {
+    "gptq": ["--method", "gptq", "--group-size", "32"],
+    "gptq-act-order": ["--method", "gptq", "--group-size", "32", "--act-order"],
+    "gptq-8bit": ["--method", "gptq", "--bits", "8", "--group-size", "-1"],
+    "awq": ["--method", "awq", "--group-size", "32"],
+}
+CALIBRATION = ["--samples", "4", "--seq-len", "32"]
+
+
+@pytest.fixture(scope="module")
+def float_model(tmp_path_factory):
+    return save_tiny_model("llama", tmp_path_factory.mktemp("float") / "m", num_attention_heads=8,
+                           num_key_value_heads=4)
+
+
+@pytest.fixture(scope="module", params=list(METHODS))
+def quantized(request, float_model, tmp_path_factory):
+    """(method name, checkpoint directory written by the CLI)."""
+    out = tmp_path_factory.mktemp(request.param) / "q"
+    server_cli(["quantize", str(float_model), str(out), *METHODS[request.param], *CALIBRATION])
+    return request.param, out
+
+
+def runner_for(path, quantize=None) -> ModelRunner:
+    """The shard's model runner for `path` (float32, CPU), warmed up."""
+    config, weights = open_checkpoint(resolve_model(str(path)), torch.float32, torch.device("cpu"), quantize)
+    runner = ModelRunner(load_model(config, weights, TensorParallel()), 16, None, 16 << 20, None)
+    runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_batch_size=4))
+    return runner
+
+
+def hf_logits(model, prompt):
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0]
+
+
+def dequantized_reference(path) -> transformers.PreTrainedModel:
+    """transformers' model holding what the checkpoint's tensors stand for:
+    quantized linears dequantized by their format's reader, the rest as stored."""
+    config, weights = open_checkpoint(resolve_model(str(path)), torch.float32, torch.device("cpu"))
+    hf_config = transformers.AutoConfig.from_pretrained(path)
+    del hf_config.quantization_config
+    model = transformers.LlamaForCausalLM(hf_config).eval()
+    state = {}
+    for name in model.state_dict():
+        prefix = name.removesuffix(".weight")
+        if prefix.split(".", 3)[-1] in LINEARS:
+            state[name] = weights.linear_format.read(weights, prefix).dequantize()
+        elif weights.has(name):
+            state[name] = weights.get(name)
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    return model
+
+
+def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return float((ours - theirs).abs().mean() / theirs.abs().mean())
+
+
+def test_the_method_comes_from_config_json_and_every_linear_is_quantized(quantized):
+    name, path = quantized
+    model = runner_for(path).model
+    kernels = {m.kernel for m in model.modules() if isinstance(m, QuantLinear)}
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 2 * 4
+    assert kernels == ({"int8"} if name == "gptq-8bit" else {"int4"})
+
+
+def test_logits_equal_the_dequantized_reference(quantized):
+    _, path = quantized
+    runner, reference = runner_for(path), dequantized_reference(path)
+    for prompt in PROMPTS:
+        assert (engine_logits(runner, prompt) - hf_logits(reference, prompt)).abs().max() < 1e-4
+
+
+def test_logits_stay_close_to_the_float_model(quantized, float_model):
+    name, path = quantized
+    runner = runner_for(path)
+    full = transformers.LlamaForCausalLM.from_pretrained(float_model).eval()
+    # A random model amplifies weight noise: int8 per row moves its logits by ~2%, 4 bits by 30-45%.
+    bound = 0.05 if name == "gptq-8bit" else 0.6
+    for prompt in PROMPTS:
+        assert relative_error(engine_logits(runner, prompt), hf_logits(full, prompt)) < bound
+
+
+def test_a_flag_that_contradicts_the_checkpoint_is_refused(quantized):
+    name, path = quantized
+    other = "gptq" if name == "awq" else "awq"
+    with pytest.raises(CheckpointError, match=f"--quantize {other} does not match"):
+        runner_for(path, quantize=other)
+
+
+def test_eetq_quantizes_a_float_checkpoint_to_int8_per_channel_at_load(float_model):
+    runner = runner_for(float_model, quantize="eetq")
+    assert {m.kernel for m in runner.model.modules() if isinstance(m, QuantLinear)} == {"int8"}
+    full = transformers.LlamaForCausalLM.from_pretrained(float_model).eval()
+    reference = transformers.LlamaForCausalLM.from_pretrained(float_model).eval()
+    with torch.no_grad():
+        for name, module in reference.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                module.weight.copy_(quantize_rtn(module.weight, 8, -1, symmetric=True).dequantize())
+    for prompt in PROMPTS:
+        ours = engine_logits(runner, prompt)
+        assert (ours - hf_logits(reference, prompt)).abs().max() < 1e-4
+        assert relative_error(ours, hf_logits(full, prompt)) < 0.05
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_gguf_q4_linears_run_on_their_blocks_and_match_the_dequantized_file(qtype, tmp_path):
+    path = write_tiny_gguf(tmp_path / "m.gguf", "llama", tiny_hf_tensors(bias=False, tied=False), qtype)
+    runner = runner_for(path)
+    assert {m.kernel for m in runner.model.modules() if isinstance(m, QuantLinear)} == {"int4"}
+    checkpoint = load_gguf(path, torch.float32)
+    values = dict(checkpoint.config)
+    reference = transformers.LlamaForCausalLM(transformers.AutoConfig.for_model(values.pop("model_type"), **values))
+    reference.load_state_dict(checkpoint.tensors)
+    prompt = [1, 5, 9, 13, 40, 3, 77]
+    assert (engine_logits(runner, prompt) - hf_logits(reference.eval(), prompt)).abs().max() < 1e-3
+
+
+def test_quantize_on_a_gguf_file_is_refused(tmp_path):
+    path = write_tiny_gguf(tmp_path / "m.gguf", "llama", tiny_hf_tensors(bias=False, tied=False), Q.Q4_0)
+    with pytest.raises(CheckpointError, match="GGUF file is served with its own quantization"):
+        runner_for(path, quantize="gptq")
+
+
+@pytest.mark.parametrize("method", ["gptq", "gptq-act-order"])
+def test_two_shards_with_quantize_gptq_give_one_shard_s_greedy_text(method, float_model, tmp_path):
+    out = tmp_path / "q"
+    server_cli(["quantize", str(float_model), str(out), *METHODS[method], *CALIBRATION])
+    with InProcessShard(tmp_path, str(out)) as shard:
+        one = [s.generated_ids for s in asyncio.run(run_prompts(shard.socket, PROMPTS, 12))]
+    with ShardProcesses(tmp_path, str(out), 2, "--quantize", "gptq") as group:
+        two = [s.generated_ids for s in asyncio.run(run_prompts(group.sockets, PROMPTS, 12))]
+    assert two == one
