@@ -55,6 +55,7 @@ def open_checkpoint(source: ModelSource, dtype: torch.dtype, device: torch.devic
     cannot be served."""
     if source.format == "gguf":
         from .quant.gguf_linear import GGUFFormat
+        from .quant.quant_linear import PACKED_KERNEL_DTYPES
         from .weights.gguf import GGUFFile
 
         if quantize is not None:
@@ -62,7 +63,10 @@ def open_checkpoint(source: ModelSource, dtype: torch.dtype, device: torch.devic
                                   "a GGUF file is served with its own quantization")
         file = GGUFFile(source.path)
         weights = GGUFSource(file, dtype, device)
-        weights.linear_format = GGUFFormat(file)
+        # In float64 (exact comparisons) the file is served dequantized, as
+        # torch's packed kernels take 16- and 32-bit activations only.
+        if dtype in PACKED_KERNEL_DTYPES:
+            weights.linear_format = GGUFFormat(file)
         return ModelConfig.from_hf(_config_from_dict(file.config)), weights
     try:
         # Never the hub's code: a model that needs it fails here, without a prompt.

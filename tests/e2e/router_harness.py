@@ -71,14 +71,19 @@ class RunningServer:
 
 
 def launch(model: str | None, tmp_path, *flags) -> tuple[subprocess.Popen, str]:
-    """model None: the default model (SmolLM2-135M-Instruct)."""
+    """model None: the default model (SmolLM2-135M-Instruct). The launcher's
+    output (its shards' too) goes to tmp_path/launcher.log: an undrained pipe
+    would fill up and block the launcher in its next log line."""
     port = free_port()
     model_flags = ["--model-id", model] if model else []
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tgi_router.launcher", *model_flags, "--port", str(port),
-         "--hostname", "127.0.0.1", "--shard-uds-path", str(tmp_path / "shard"), "--kv-cache-bytes", "16MiB",
-         "--max-total-tokens", "1024", "--max-input-tokens", "512", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    Path(tmp_path).mkdir(parents=True, exist_ok=True)
+    log_path = Path(tmp_path) / "launcher.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tgi_router.launcher", *model_flags, "--port", str(port),
+             "--hostname", "127.0.0.1", "--shard-uds-path", str(tmp_path / "shard"), "--kv-cache-bytes", "16MiB",
+             "--max-total-tokens", "1024", "--max-input-tokens", "512", *flags],
+            stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180  # shards load and warm up on a shared 2-core machine
     while time.time() < deadline and proc.poll() is None:
@@ -88,4 +93,5 @@ def launch(model: str | None, tmp_path, *flags) -> tuple[subprocess.Popen, str]:
         except httpx.HTTPError:
             time.sleep(0.2)
     proc.kill()
-    raise RuntimeError(f"launcher did not start: {proc.stdout.read()}")
+    proc.wait(30)
+    raise RuntimeError(f"launcher did not start: {log_path.read_text()}")

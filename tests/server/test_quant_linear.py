@@ -69,6 +69,13 @@ def test_layouts_without_a_kernel_dequantize_per_call(bits, group_size, n):
     assert layer.kernel == "dequant" and rel_err(y, ref) < 1e-5
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_float64_dequantizes_per_call_as_the_packed_kernels_take_no_float64(bits):
+    layer, y, ref = run(quantize_rtn(random_weight(), bits, -1, symmetric=bits == 8), dtype=torch.float64)
+    assert layer.kernel == "dequant"
+    assert rel_err(y, ref) < 1e-6
+
+
 def test_rtn_error_is_within_half_a_step():
     w = random_weight()
     m = quantize_rtn(w, 4, 32, symmetric=False)

@@ -8,7 +8,7 @@ On CPU, chosen once at load:
   It computes w = (q - 8) * scale + zero, so zero = offset + 8 * scale.
 - "int8": 8-bit values with one group per row: `_weight_int8pack_mm`
   (w = q_int8 * scale); an asymmetric row adds sum(x) * its constant.
-- "dequant": anything else, and every format on CUDA: the values stay uint8
+- "dequant": anything else (float64 too), and every format on CUDA: the values stay uint8
   and each call dequantizes then multiplies (correct, not fast).
 """
 
@@ -20,6 +20,8 @@ from ..distributed import TensorParallel
 from .quantized_matrix import QuantizedMatrix
 
 INT4_GROUP_SIZES = (256, 128, 64, 32)
+# The activations torch's packed CPU kernels take; float64 dequantizes.
+PACKED_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -39,9 +41,10 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else _frozen(bias)
         self.reduce = reduce
         self.register_buffer("perm", None, persistent=False)  # [K] input order for act-order int4, else None
-        if device.type == "cpu" and self._init_int4(matrix, dtype):
+        packed = device.type == "cpu" and dtype in PACKED_KERNEL_DTYPES
+        if packed and self._init_int4(matrix, dtype):
             self.kernel = "int4"
-        elif device.type == "cpu" and matrix.bits == 8 and matrix.scales.shape[1] == 1:
+        elif packed and matrix.bits == 8 and matrix.scales.shape[1] == 1:
             self._init_int8(matrix, dtype)
             self.kernel = "int8"
         else:
