@@ -30,7 +30,7 @@ serve: install
 	$(BIN)/text-generation-launcher --port $(PORT) $(if $(MODEL),--model-id $(MODEL))
 
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=30 tests
 
 bench: install
 	$(BIN)/python -m benchmarks.run --bench $(BENCH)
