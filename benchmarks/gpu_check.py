@@ -7,7 +7,7 @@ reported, and the later stages that need it are skipped):
             failing that, build build/venv-gpu (system site packages) and pip-install
             the project with its `cuda` and `test` extras, then flash-attn from a
             prebuilt wheel if one is reachable (never built from source).
-  2. tests  `pytest -m gpu`: every GPU test (kernels against the reference,
+  2. tests  `pytest -m gpu` over the files that hold GPU tests: kernels against the reference,
             flash-attn, CUDA graphs).
   3. bench  a Llama-architecture model of ~1.1B parameters (TinyLlama's shape)
             with random bf16 weights, served by a shard process with CUDA graphs,
@@ -25,6 +25,7 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)  # run as a file: benchmarks/http.py would shadow the standard library's http
 
 import argparse  # noqa: E402
+import ast  # noqa: E402
 import asyncio  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -77,8 +78,27 @@ def _cuda_python(candidates: list[str]) -> tuple[str | None, str]:
 
 
 def _pythonpath() -> str:
-    # The packages import from the source tree whether or not they are installed.
-    return os.pathsep.join(str(ROOT / d) for d in ("router", "server", "kernels", "proto"))
+    # The packages import from the source tree whether or not they are installed;
+    # a PYTHONPATH already set (packages carried to a machine without an index) stays behind them.
+    dirs = [str(ROOT / d) for d in ("router", "server", "kernels", "proto")]
+    return os.pathsep.join(dirs + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+
+def _keep_log(stage: str, out: str) -> None:
+    """A stage's whole output into $GPU_CHECK_LOGS/<stage>.log when that is set (the JSON line keeps only tails)."""
+    if folder := os.environ.get("GPU_CHECK_LOGS"):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / f"{stage}.log").write_text(out)
+
+
+def gpu_test_files() -> list[str]:
+    """The test files that hold @pytest.mark.gpu tests: collecting only these keeps the
+    end-to-end suites' extra dependencies (schemathesis, openai, ...) off the GPU machine."""
+    def marked(path: Path) -> bool:  # the expression `pytest.mark.gpu` in the code, not in a string
+        return any(isinstance(node, ast.Attribute) and ast.unparse(node) == "pytest.mark.gpu"
+                   for node in ast.walk(ast.parse(path.read_text())))
+
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if marked(p))
 
 
 def stage_env(result: dict) -> str | None:
@@ -116,8 +136,9 @@ def stage_env(result: dict) -> str | None:
 
 
 def stage_tests(python: str, result: dict) -> None:
-    code, out = _run([python, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"],
-                     DEADLINES["tests"], env=dict(os.environ, PYTHONPATH=_pythonpath()))
+    code, out = _run([python, "-m", "pytest", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
+                      *gpu_test_files()], DEADLINES["tests"], env=dict(os.environ, PYTHONPATH=_pythonpath()))
+    _keep_log("tests", out)
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", out)}
     result["tests"] = {"ok": code == 0 and counts.get("passed", 0) > 0, "exit": code, **counts}
     if code != 0:
@@ -127,6 +148,7 @@ def stage_tests(python: str, result: dict) -> None:
 def stage_bench(python: str, result: dict) -> None:
     code, out = _run([python, "-m", "benchmarks.gpu_check", "--bench-only"], DEADLINES["bench"],
                      env=dict(os.environ, PYTHONPATH=_pythonpath()))
+    _keep_log("bench", out)
     lines = [line for line in out.splitlines() if line.startswith("{")]
     if code == 0 and lines:
         result["bench"] = {"ok": True, **json.loads(lines[-1])}

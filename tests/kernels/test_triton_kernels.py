@@ -196,6 +196,7 @@ def test_prefill_reads_the_prefix_from_the_cache_and_the_chunk_from_key_value():
 # --- the backend as tgi_kernels offers it ---------------------------------------------------
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the interpreter is off: triton runs on the GPU only")
 def test_triton_is_offered_but_never_the_default_on_cpu():
     cpu = torch.device("cpu")
     assert "triton" in available_backends(cpu)

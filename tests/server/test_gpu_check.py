@@ -20,3 +20,14 @@ def test_gpu_check_without_a_gpu_prints_one_json_line_and_exits_1():
     assert done.returncode == 1 and len(lines) == 1
     result = json.loads(lines[0])
     assert result["ok"] is False and "no NVIDIA GPU" in result["env"]["error"]
+
+
+def test_the_check_collects_every_file_with_gpu_tests_and_no_other():
+    from benchmarks.gpu_check import gpu_test_files
+
+    files = gpu_test_files()
+    assert "tests/kernels/test_triton_kernels.py" in files and "tests/server/test_cuda_graphs.py" in files
+    assert "tests/e2e/test_fuzz.py" not in files  # its schemathesis import is not needed on the GPU machine
+    assert "tests/server/test_gpu_check.py" not in files  # names the marker in a string only
+    for name in files:
+        assert "pytest.mark.gpu" in (ROOT / name).read_text()
