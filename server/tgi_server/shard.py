@@ -16,6 +16,7 @@ from .distributed import TensorParallel
 from .grammar import GrammarCompiler
 from .model_loader import DTYPES, default_dtype, load_model, open_checkpoint
 from .model_runner import ModelRunner
+from .quant import kernel_counts
 from .service import serve
 from .weights.resolve import resolve_model
 from .weights.tokenizer_export import export_tokenizer
@@ -66,6 +67,8 @@ def load_shard(config: ShardConfig) -> tuple[ModelRunner, pb.InfoResponse]:
              c.model_type, c.num_layers, time.perf_counter() - start, runner.backend, tp.rank, tp.world_size,
              heads.num_heads, c.num_heads, heads.num_kv_heads, c.num_kv_heads,
              loaded.weight_bytes / 2**20, loaded.weight_bytes)
+    if kernels := kernel_counts(loaded.model):
+        log.info("quantized linears by kernel: %s", ", ".join(f"{n} {name}" for name, n in sorted(kernels.items())))
     info = pb.InfoResponse(
         model_id=source.model_id, model_type=c.model_type, dtype=str(dtype).removeprefix("torch."),
         device=str(device), block_size=config.block_size, max_position_embeddings=c.max_position_embeddings,

@@ -10,6 +10,7 @@ from gguf.quants import dequantize, quantize
 from tgi_server.quant import QuantLinear, QuantizedMatrix, quantize_rtn
 from tgi_server.quant.gguf_linear import decode_q4
 from tgi_server.quant.packing import awq_pack, awq_unpack, pack, unpack
+from tgi_server.quant.quant_linear import INT4_KERNEL_MAX_ROWS, unpack_int4pack
 from tgi_server.quant.quantizer.export import awq_tensors, gptq_tensors
 from tgi_server.quant.quantizer.gptq_solver import gptq_quantize
 
@@ -51,6 +52,36 @@ def test_act_order_groups_run_on_int4_with_the_input_permuted():
     assert not torch.equal(m.group, torch.sort(m.group).values)  # really unsorted
     layer, y, ref = run(m)
     assert layer.kernel == "int4" and layer.perm is not None and rel_err(y, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int4_prefill_rows_unpack_to_one_dense_gemm_equal_to_the_kernel(dtype, tolerance, act_order):
+    # 128 output rows: two blocks of the packed layout. Past INT4_KERNEL_MAX_ROWS[dtype] rows the
+    # layer unpacks the same bytes into a dense weight; under it, the int4 kernel runs.
+    w = random_weight(128, 256)
+    m = (gptq_quantize(w, torch.diag(torch.rand(256) + 0.1), 4, 64, act_order=True) if act_order
+         else quantize_rtn(w, 4, 64, symmetric=False))
+    rows = INT4_KERNEL_MAX_ROWS[dtype] + 3
+    layer, y, ref = run(m, dtype, t=rows)
+    assert layer.kernel == "int4" and layer.int4_max_rows == INT4_KERNEL_MAX_ROWS[dtype]
+    assert rel_err(y, ref) < tolerance
+    kernel_only = QuantLinear(m, None, dtype, CPU)
+    kernel_only.int4_max_rows = None
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.inference_mode():
+        assert rel_err(kernel_only(x).float(), y) < tolerance
+
+
+def test_int4_layout_unpacks_to_the_values_packed():
+    q = torch.randint(0, 16, (192, 96), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    assert torch.equal(unpack_int4pack(packed, 192, 96), q.to(torch.uint8))
+
+
+def test_int4_rows_not_in_blocks_of_64_keep_the_kernel_at_every_size():
+    layer, y, ref = run(quantize_rtn(random_weight(48), 4, 32, symmetric=False), t=40)
+    assert layer.kernel == "int4" and layer.int4_max_rows is None and rel_err(y, ref) < 1e-5
 
 
 def test_symmetric_int8_per_row_runs_on_the_int8_kernel():

@@ -6,6 +6,9 @@ On CPU, chosen once at load:
   group (act-order), are runs of equal length: torch's packed int4 GEMM
   (`_weight_int4pack_mm_for_cpu`, groups of 32/64/128/256, N % 16 == 0).
   It computes w = (q - 8) * scale + zero, so zero = offset + 8 * scale.
+  Its bf16 path is vectorized, its fp32/fp16 paths are scalar: past
+  INT4_KERNEL_MAX_ROWS input rows (prefill), the weight is unpacked from the
+  same packed bytes into a dense matrix for one oneDNN GEMM instead.
 - "int8": 8-bit values with one group per row: `_weight_int8pack_mm`
   (w = q_int8 * scale); an asymmetric row adds sum(x) * its constant.
 - "dequant": anything else (float64 too), and every format on CUDA: the values stay uint8
@@ -20,12 +23,26 @@ from ..distributed import TensorParallel
 from .quantized_matrix import QuantizedMatrix
 
 INT4_GROUP_SIZES = (256, 128, 64, 32)
+# Rows up to which the packed int4 kernel beats unpack + dense GEMM, measured on this CPU at
+# SmolLM2's shapes (2 threads, [1536, 576]): bf16 int4 takes ~0.013 ms a row against ~1.5 ms
+# to unpack and ~0.001 ms a row dense; fp32 int4 ~1 ms a row against ~1.9 ms to unpack.
+INT4_KERNEL_MAX_ROWS = {torch.bfloat16: 128, torch.float16: 1, torch.float32: 1}
+UNPACK_BLOCK = 64  # rows per block of the packed layout (see unpack_int4pack)
 # The activations torch's packed CPU kernels take; float64 dequantizes.
 PACKED_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
+
+
+def unpack_int4pack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """packed [N, K/2] uint8 from `_convert_weight_to_int4pack_for_cpu(q, 1)` -> q [N, K] uint8.
+    That layout holds rows in blocks of 64: per block and input column, 32 bytes whose low
+    nibbles are the block's rows 0-31 and high nibbles rows 32-63. QuantLinear checks the
+    round trip at load, so a torch with another layout only loses the dense path."""
+    p = packed.view(n // UNPACK_BLOCK, k, UNPACK_BLOCK // 2)
+    return torch.cat([p & 15, p >> 4], dim=2).transpose(1, 2).reshape(n, k)
 
 
 class QuantLinear(nn.Module):
@@ -74,7 +91,17 @@ class QuantLinear(nn.Module):
         self.packed = _frozen(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))  # [N, K / 2] uint8
         self.scale_zeros = _frozen(torch.stack([scales, zeros], -1).transpose(0, 1).contiguous().to(dtype))  # [K/size, N, 2]
         self.group_size = size
+        unpacks = (self.out_features % UNPACK_BLOCK == 0
+                   and torch.equal(unpack_int4pack(self.packed, *q.shape), q.to(torch.uint8)))
+        self.int4_max_rows = INT4_KERNEL_MAX_ROWS[dtype] if unpacks else None  # None: the kernel at any size
         return True
+
+    def _dense_int4(self) -> torch.Tensor:
+        """The int4 layout's weight [N, K] (columns in kernel order) in the scales' dtype."""
+        n, k = self.out_features, self.in_features
+        q = unpack_int4pack(self.packed, n, k).view(n, k // self.group_size, self.group_size)
+        scale, zero = self.scale_zeros.permute(2, 1, 0).unsqueeze(-1)  # each [N, K/size, 1]
+        return ((q.to(scale.dtype) - 8) * scale + zero).view(n, k)
 
     def _init_int8(self, m: QuantizedMatrix, dtype: torch.dtype) -> None:
         scales, offsets = m.scales[:, 0], m.offsets[:, 0]  # [N]
@@ -87,8 +114,11 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "int4":
             xs = x if self.perm is None else x.index_select(-1, self.perm)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xs.contiguous(), self.packed, self.group_size,
-                                                           self.scale_zeros)
+            if self.int4_max_rows is not None and xs.numel() > self.int4_max_rows * self.in_features:
+                y = F.linear(xs, self._dense_int4())
+            else:
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(xs.contiguous(), self.packed, self.group_size,
+                                                               self.scale_zeros)
         elif self.kernel == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q8, self.scale8)
             if self.row_constant is not None:
@@ -99,3 +129,12 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y if self.reduce is None else self.reduce.all_reduce_sum(y)
+
+
+def kernel_counts(model: nn.Module) -> dict[str, int]:
+    """How many quantized linears of `model` run on each kernel (what the shard logs at load)."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            counts[module.kernel] = counts.get(module.kernel, 0) + 1
+    return counts
