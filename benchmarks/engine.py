@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -75,27 +76,51 @@ def hf_throughput(model, prompts: list[list[int]]) -> float:
     return (out.shape[1] - ids.shape[1]) * len(prompts) / elapsed
 
 
-async def engine_throughput(client: ShardClient, warm: pb.WarmupResponse,
-                            prompts: list[list[int]]) -> tuple[float, float]:
-    """(end-to-end tokens/s, decode-only tokens/s) for all prompts at once."""
-    scheduler = Scheduler(BlockManager(warm.num_blocks, warm.block_size), max_batch_tokens=4096)
+@dataclass(frozen=True)
+class BatchTimes:
+    """One batch run dry by the router's scheduler and engine."""
+    elapsed: float                 # seconds, first step to last
+    generated: int                 # tokens generated
+    decode_time: float             # seconds in steps where no prompt was prefilling
+    decode_tokens: int             # tokens those steps generated
+    first_token: list[float]       # seconds from the start to each sequence's first token, sorted
+
+
+async def run_batch(client: ShardClient, warm: pb.WarmupResponse, prompts: list[list[int]], new_tokens: int,
+                    max_batch_tokens: int) -> BatchTimes:
+    """All prompts at once, `new_tokens` greedy tokens each, through Engine.step as the router runs it."""
+    scheduler = Scheduler(BlockManager(warm.num_blocks, warm.block_size), max_batch_tokens=max_batch_tokens)
     engine = Engine(client, scheduler)
-    for i, p in enumerate(prompts):
-        scheduler.add(Sequence(id=i + 1, token_ids=list(p), params=pb.SamplingParameters(),
-                               stopping=StoppingCriteria(NEW_TOKENS)))
-    decode_time = decode_tokens = 0.0
+    seqs = [Sequence(id=i + 1, token_ids=list(p), params=pb.SamplingParameters(),
+                     stopping=StoppingCriteria(new_tokens)) for i, p in enumerate(prompts)]
+    for s in seqs:
+        scheduler.add(s)
+    first: dict[int, float] = {}
+    decode_time, decode_tokens = 0.0, 0
     start = time.perf_counter()
     while scheduler.has_work():
         prefilling = bool(scheduler.waiting) or any(s.num_computed < s.prompt_length for s in scheduler.running)
         batch = len(scheduler.running)
         t = time.perf_counter()
         await engine.step()
+        now = time.perf_counter()
         if not prefilling:
-            decode_time += time.perf_counter() - t
+            decode_time += now - t
             decode_tokens += batch
+        for s in seqs:
+            if s.id not in first and s.generated_ids:
+                first[s.id] = now - start
     elapsed = time.perf_counter() - start
     await client.clear_cache()  # the finished ids are released on the shard
-    return NEW_TOKENS * len(prompts) / elapsed, decode_tokens / max(decode_time, 1e-9)
+    return BatchTimes(elapsed, sum(len(s.generated_ids) for s in seqs), decode_time, decode_tokens,
+                      sorted(first.values()))
+
+
+async def engine_throughput(client: ShardClient, warm: pb.WarmupResponse,
+                            prompts: list[list[int]]) -> tuple[float, float]:
+    """(end-to-end tokens/s, decode-only tokens/s) for all prompts at once."""
+    times = await run_batch(client, warm, prompts, NEW_TOKENS, max_batch_tokens=4096)
+    return times.generated / times.elapsed, times.decode_tokens / max(times.decode_time, 1e-9)
 
 
 def start_shard(model_path: Path, socket_dir: str) -> subprocess.Popen:

@@ -195,38 +195,12 @@ def gpu_memory_used_mib() -> int | None:
 
 
 async def one_batch(client, warm, prompts: list[list[int]], new_tokens: int) -> dict:
-    from tgi_proto import pb
-    from tgi_router.block_manager import BlockManager
-    from tgi_router.engine import Engine
-    from tgi_router.scheduler import Scheduler
-    from tgi_router.sequence import Sequence, StoppingCriteria
+    from benchmarks.engine import run_batch
 
-    scheduler = Scheduler(BlockManager(warm.num_blocks, warm.block_size), max_batch_tokens=8192)
-    engine = Engine(client, scheduler)
-    seqs = [Sequence(id=i + 1, token_ids=list(p), params=pb.SamplingParameters(),
-                     stopping=StoppingCriteria(new_tokens)) for i, p in enumerate(prompts)]
-    for s in seqs:
-        scheduler.add(s)
-    first: dict[int, float] = {}
-    decode_time = decode_tokens = 0.0
-    start = time.perf_counter()
-    while scheduler.has_work():
-        prefilling = bool(scheduler.waiting) or any(s.num_computed < s.prompt_length for s in scheduler.running)
-        batch = len(scheduler.running)
-        t = time.perf_counter()
-        await engine.step()
-        now = time.perf_counter()
-        if not prefilling:
-            decode_time += now - t
-            decode_tokens += batch
-        for s in seqs:
-            if s.id not in first and s.generated_ids:
-                first[s.id] = now - start
-    elapsed = time.perf_counter() - start
-    await client.clear_cache()
-    ttfts = sorted(first.values())
-    return {"tok_s": round(sum(len(s.generated_ids) for s in seqs) / elapsed, 1),
-            "decode_tok_s": round(decode_tokens / max(decode_time, 1e-9), 1),
+    times = await run_batch(client, warm, prompts, new_tokens, max_batch_tokens=8192)
+    ttfts = times.first_token
+    return {"tok_s": round(times.generated / times.elapsed, 1),
+            "decode_tok_s": round(times.decode_tokens / max(times.decode_time, 1e-9), 1),
             "ttft_ms_p50": round(1000 * ttfts[len(ttfts) // 2], 1), "ttft_ms_max": round(1000 * ttfts[-1], 1)}
 
 
