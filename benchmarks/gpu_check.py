@@ -7,12 +7,14 @@ reported, and the later stages that need it are skipped):
             failing that, build build/venv-gpu (system site packages) and pip-install
             the project with its `cuda` and `test` extras, then flash-attn from a
             prebuilt wheel if one is reachable (never built from source).
-  2. tests  `pytest -m gpu` over the files that hold GPU tests: kernels against the reference,
-            flash-attn, CUDA graphs).
+  2. tests  `pytest -m gpu` over the files that hold GPU tests: attention kernels against
+            the reference, flash-attn, CUDA graphs, the quantized GEMM.
   3. bench  a Llama-architecture model of ~1.1B parameters (TinyLlama's shape)
             with random bf16 weights, served by a shard process with CUDA graphs,
             driven by the router's scheduler at batch 1, 32 and 128: tokens/s,
             decode tokens/s, TTFT and GPU memory.
+  4. quant_bench  our Triton 4/8-bit GEMM against bf16 at a 1.1B Llama's MLP shapes
+            (benchmarks/quant_cuda.py).
 
 Only the standard library is imported at the top: stage 1 runs before any
 dependency is known to exist. `--bench-only` runs stage 3 in this interpreter.
@@ -36,7 +38,7 @@ import time  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # Seconds per stage. The GPU tests compile ~40 Triton kernel variants on a fresh machine.
-DEADLINES = {"env": 60, "install": 240, "tests": 330, "bench": 210}
+DEADLINES = {"env": 60, "install": 240, "tests": 360, "bench": 120, "quant_bench": 90}
 TOTAL_S = 570  # and all together: every command is cut off so that the JSON line comes within 10 minutes
 _END = time.monotonic() + TOTAL_S
 BATCHES = (1, 32, 128)
@@ -156,6 +158,18 @@ def stage_bench(python: str, result: dict) -> None:
         result["bench"] = {"ok": False, "exit": code, "output_tail": out[-3000:]}
 
 
+def stage_quant_bench(python: str, result: dict) -> None:
+    """Our Triton quantized GEMM against bf16 F.linear (benchmarks/quant_cuda.py)."""
+    code, out = _run([python, "-m", "benchmarks.quant_cuda"], DEADLINES["quant_bench"],
+                     env=dict(os.environ, PYTHONPATH=_pythonpath()))
+    _keep_log("quant_bench", out)
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    if code == 0 and lines:
+        result["quant_bench"] = {"ok": True, **json.loads(lines[-1])}
+    else:
+        result["quant_bench"] = {"ok": False, "exit": code, "output_tail": out[-3000:]}
+
+
 # --- stage 3, run inside the CUDA Python ------------------------------------------------------
 
 
@@ -267,6 +281,7 @@ def main() -> None:
     if python:
         stage_tests(python, result)
         stage_bench(python, result)
+        stage_quant_bench(python, result)
     result["ok"] = all(v.get("ok") for v in result.values() if isinstance(v, dict)) and python is not None
     result["total_s"] = round(time.monotonic() - start, 1)
     print(json.dumps(result))

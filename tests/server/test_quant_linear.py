@@ -10,9 +10,12 @@ from gguf.quants import dequantize, quantize
 from tgi_server.quant import QuantLinear, QuantizedMatrix, quantize_rtn
 from tgi_server.quant.gguf_linear import decode_q4
 from tgi_server.quant.packing import awq_pack, awq_unpack, pack, unpack
+from tgi_server.quant import quant_linear
 from tgi_server.quant.quant_linear import INT4_KERNEL_MAX_ROWS, unpack_int4pack
 from tgi_server.quant.quantizer.export import awq_tensors, gptq_tensors
 from tgi_server.quant.quantizer.gptq_solver import gptq_quantize
+
+from ..triton_interpreter import use_triton_interpreter
 
 CPU = torch.device("cpu")
 
@@ -157,12 +160,38 @@ def test_gptq_beats_round_to_nearest_on_correlated_inputs():
     assert output_error(gptq_quantize(w, h, 4, 32, act_order=False)) < output_error(quantize_rtn(w, 4, 32, True))
 
 
+@pytest.mark.parametrize("bits, group_size, act_order", [(4, 32, False), (4, 32, True), (8, -1, False)])
+def test_the_triton_layout_runs_under_the_interpreter_as_on_cuda(monkeypatch, bits, group_size, act_order):
+    # The CUDA wiring (pack at load, kernel per call, rows past the fused kernel's 16
+    # through the dequantize path) on this CPU under Triton's interpreter.
+    if not use_triton_interpreter():
+        pytest.skip("needs triton")
+    monkeypatch.setattr(quant_linear, "serves_triton", lambda device: True)
+    w = random_weight(48, 128)
+    m = (gptq_quantize(w, torch.diag(torch.rand(128) + 0.1), 4, 32, act_order=True) if act_order
+         else quantize_rtn(w, bits, group_size, symmetric=False))
+    for t in (3, 20):
+        layer, y, ref = run(m, t=t, bias=torch.randn(48))
+        assert layer.kernel == "triton" and rel_err(y, ref) < 1e-5
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits, group_size", [(4, 32), (8, -1)])
-def test_cuda_layers_dequantize_per_call_and_match_the_reference(bits, group_size):
+@pytest.mark.parametrize("rows", [7, 300])
+def test_cuda_layers_run_the_triton_kernel_and_match_the_reference(bits, group_size, rows):
     matrix = quantize_rtn(random_weight(), bits, group_size, symmetric=False)
     layer = QuantLinear(matrix, None, torch.bfloat16, torch.device("cuda"))
-    x = torch.randn(7, 128, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, 128, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
         y = layer(x).float().cpu()
-    assert layer.kernel == "dequant" and rel_err(y, x.float().cpu() @ matrix.dequantize().T) < 2e-2
+    assert layer.kernel == "triton" and rel_err(y, x.float().cpu() @ matrix.dequantize().T) < 2e-2
+
+
+@pytest.mark.gpu
+def test_cuda_float64_dequantizes_per_call():
+    matrix = quantize_rtn(random_weight(), 4, 32, symmetric=False)
+    layer = QuantLinear(matrix, None, torch.float64, torch.device("cuda"))
+    x = torch.randn(5, 128, device="cuda", dtype=torch.float64)
+    with torch.inference_mode():
+        y = layer(x).cpu()
+    assert layer.kernel == "dequant" and rel_err(y, x.cpu() @ matrix.dequantize(torch.float64).T) < 1e-6

@@ -52,9 +52,9 @@ def quantized(request, float_model, tmp_path_factory):
     return request.param, out
 
 
-def runner_for(path, quantize=None) -> ModelRunner:
-    """The shard's model runner for `path` (float32, CPU), warmed up."""
-    config, weights = open_checkpoint(resolve_model(str(path)), torch.float32, torch.device("cpu"), quantize)
+def runner_for(path, quantize=None, device: str = "cpu") -> ModelRunner:
+    """The shard's model runner for `path` (float32), warmed up."""
+    config, weights = open_checkpoint(resolve_model(str(path)), torch.float32, torch.device(device), quantize)
     runner = ModelRunner(load_model(config, weights, TensorParallel()), 16, None, 16 << 20, None)
     runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_batch_size=4))
     return runner
@@ -101,6 +101,16 @@ def test_logits_equal_the_dequantized_reference(quantized):
     runner, reference = runner_for(path), dequantized_reference(path)
     for prompt in PROMPTS:
         assert (engine_logits(runner, prompt) - hf_logits(reference, prompt)).abs().max() < 1e-4
+
+
+@pytest.mark.gpu
+def test_on_cuda_every_linear_runs_the_triton_kernel_with_the_cpu_s_logits(quantized):
+    _, path = quantized
+    runner, cpu = runner_for(path, device="cuda"), runner_for(path)
+    assert {m.kernel for m in runner.model.modules() if isinstance(m, QuantLinear)} == {"triton"}
+    for prompt in PROMPTS:
+        ours = engine_logits(runner, prompt).float().cpu()
+        assert (ours - engine_logits(cpu, prompt)).abs().max() < 1e-3  # float32 on both: summation order only
 
 
 def test_logits_stay_close_to_the_float_model(quantized, float_model):

@@ -84,3 +84,14 @@ def varlen_prefill(
         query, key, value, k_cache, v_cache, meta.cu_seqlens_q, meta.prefix_lens, meta.block_tables,
         meta.max_query_len, scale, sliding_window,
     )
+
+
+def pack_quantized(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: torch.Tensor, bits: int):
+    """A quantized weight (q [N, K] uint8; scales, offsets [N, G]; group [K]; bits 4 or 8) in the layout
+    quant_matmul streams; see quant_matmul_kernel.pack_quantized. Once, at load."""
+    return _kernel("quant_matmul_kernel").pack_quantized(q, scales, offsets, group, bits)
+
+
+def quant_matmul(x: torch.Tensor, weight) -> torch.Tensor:
+    """x [M, K] -> x @ dequantized(weight).T [M, N] in x's dtype; see quant_matmul_kernel.quant_matmul."""
+    return _kernel("quant_matmul_kernel").quant_matmul(x, weight)

@@ -11,13 +11,22 @@ On CPU, chosen once at load:
   same packed bytes into a dense matrix for one oneDNN GEMM instead.
 - "int8": 8-bit values with one group per row: `_weight_int8pack_mm`
   (w = q_int8 * scale); an asymmetric row adds sum(x) * its constant.
-- "dequant": anything else (float64 too), and every format on CUDA: the values stay uint8
-  and each call dequantizes then multiplies (correct, not fast).
+
+On CUDA, "triton": 4- and 8-bit weights of any grouping (act-order too) in
+our Triton kernel (tgi_kernels/triton/quant_matmul_kernel.py): dequantized
+tile by tile inside the GEMM for up to 16 rows (decode), else dequantized into
+a temporary for cuBLAS.
+
+"dequant": anything else (float64 too, or CUDA without triton): the values stay
+uint8 and each call dequantizes then multiplies (correct, not fast).
 """
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from tgi_kernels import triton as triton_kernels
+from tgi_kernels.triton import pack_quantized, quant_matmul
 
 from ..distributed import TensorParallel
 from .quantized_matrix import QuantizedMatrix
@@ -28,12 +37,17 @@ INT4_GROUP_SIZES = (256, 128, 64, 32)
 # to unpack and ~0.001 ms a row dense; fp32 int4 ~1 ms a row against ~1.9 ms to unpack.
 INT4_KERNEL_MAX_ROWS = {torch.bfloat16: 128, torch.float16: 1, torch.float32: 1}
 UNPACK_BLOCK = 64  # rows per block of the packed layout (see unpack_int4pack)
-# The activations torch's packed CPU kernels take; float64 dequantizes.
+# The activations the packed kernels (torch's on CPU, ours on CUDA) take; float64 dequantizes.
 PACKED_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
+
+
+def serves_triton(device: torch.device) -> bool:
+    """Our Triton GEMM serves CUDA devices (on a CPU it would run only under Triton's interpreter)."""
+    return device.type == "cuda" and triton_kernels.is_available(device)
 
 
 def unpack_int4pack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -59,7 +73,10 @@ class QuantLinear(nn.Module):
         self.reduce = reduce
         self.register_buffer("perm", None, persistent=False)  # [K] input order for act-order int4, else None
         packed = device.type == "cpu" and dtype in PACKED_KERNEL_DTYPES
-        if packed and self._init_int4(matrix, dtype):
+        if dtype in PACKED_KERNEL_DTYPES and matrix.bits in (4, 8) and serves_triton(device):
+            self._init_triton(matrix, device)
+            self.kernel = "triton"
+        elif packed and self._init_int4(matrix, dtype):
             self.kernel = "int4"
         elif packed and matrix.bits == 8 and matrix.scales.shape[1] == 1:
             self._init_int8(matrix, dtype)
@@ -103,6 +120,14 @@ class QuantLinear(nn.Module):
         scale, zero = self.scale_zeros.permute(2, 1, 0).unsqueeze(-1)  # each [N, K/size, 1]
         return ((q.to(scale.dtype) - 8) * scale + zero).view(n, k)
 
+    def _init_triton(self, m: QuantizedMatrix, device: torch.device) -> None:
+        self.weight = pack_quantized(m.q.to(device), m.scales.to(device), m.offsets.to(device),
+                                     m.group.to(device), m.bits)
+        # The same tensors as parameters, so that the shard's weight count sees them.
+        self.packed = _frozen(self.weight.packed)    # 4-bit: [ceil(K/2), N]; 8-bit: [K, N] uint8
+        self.scales = _frozen(self.weight.scales)    # [G, N] float32
+        self.offsets = _frozen(self.weight.offsets)  # [G, N] float32
+
     def _init_int8(self, m: QuantizedMatrix, dtype: torch.dtype) -> None:
         scales, offsets = m.scales[:, 0], m.offsets[:, 0]  # [N]
         self.q8 = _frozen((m.q.to(torch.int16) - 128).to(torch.int8))  # [N, K]
@@ -112,7 +137,9 @@ class QuantLinear(nn.Module):
         self.row_constant = None if bool((constant.abs() <= 1e-6 * scales).all()) else _frozen(constant.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "int4":
+        if self.kernel == "triton":
+            y = quant_matmul(x.reshape(-1, self.in_features), self.weight).view(*x.shape[:-1], self.out_features)
+        elif self.kernel == "int4":
             xs = x if self.perm is None else x.index_select(-1, self.perm)
             if self.int4_max_rows is not None and xs.numel() > self.int4_max_rows * self.in_features:
                 y = F.linear(xs, self._dense_int4())
