@@ -7,7 +7,7 @@ On CPU, chosen once at load:
   (`_weight_int4pack_mm_for_cpu`, groups of 32/64/128/256, N % 16 == 0).
   It computes w = (q - 8) * scale + zero, so zero = offset + 8 * scale.
   Its bf16 path is vectorized, its fp32/fp16 paths are scalar: past
-  INT4_KERNEL_MAX_ROWS input rows (prefill), the weight is unpacked from the
+  INT4_KERNEL_MAX_ROWS input rows (prefill; fp32 batches), the weight is unpacked from the
   same packed bytes into a dense matrix for one oneDNN GEMM instead.
 - "int8": 8-bit values with one group per row: `_weight_int8pack_mm`
   (w = q_int8 * scale); an asymmetric row adds sum(x) * its constant.
@@ -33,9 +33,10 @@ from .quantized_matrix import QuantizedMatrix
 
 INT4_GROUP_SIZES = (256, 128, 64, 32)
 # Rows up to which the packed int4 kernel beats unpack + dense GEMM, measured on this CPU at
-# SmolLM2's shapes (2 threads, [1536, 576]): bf16 int4 takes ~0.013 ms a row against ~1.5 ms
-# to unpack and ~0.001 ms a row dense; fp32 int4 ~1 ms a row against ~1.9 ms to unpack.
-INT4_KERNEL_MAX_ROWS = {torch.bfloat16: 128, torch.float16: 1, torch.float32: 1}
+# SmolLM2's shapes ([1536, 576], 2 threads): bf16 int4 takes ~0.013 ms a row against ~1.5 ms
+# to unpack and ~0.001 ms a row dense; fp32 int4 ~1 ms a row against ~1.9 ms to unpack
+# (1 thread: 1.8 / 3.8 / 9.4 ms at 1 / 2 / 4 rows against 4.2-5.5 ms unpacked).
+INT4_KERNEL_MAX_ROWS = {torch.bfloat16: 128, torch.float16: 1, torch.float32: 2}
 UNPACK_BLOCK = 64  # rows per block of the packed layout (see unpack_int4pack)
 # The activations the packed kernels (torch's on CPU, ours on CUDA) take; float64 dequantizes.
 PACKED_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
