@@ -42,6 +42,7 @@ class RouterConfig:
     trust_remote_code: bool = False
     max_concurrent_requests: int = 128
     max_best_of: int = 2
+    max_client_batch_size: int = 4
     max_stop_sequences: int = 4
     max_top_n_tokens: int = 5
     max_input_tokens: int | None = None
@@ -148,6 +149,7 @@ _FLAGS = (
     _Flag("trust_remote_code", None, "accepted for compatibility: no hub code is ever run"),
     _Flag("max_concurrent_requests", _count, "requests in flight before 429 (default: 128)"),
     _Flag("max_best_of", _count, "largest best_of a client may ask for (default: 2)"),
+    _Flag("max_client_batch_size", _count, "most prompts one /v1/completions request may hold (default: 4)"),
     _Flag("max_stop_sequences", _count, "most stop sequences per request (default: 4)"),
     _Flag("max_top_n_tokens", _count, "largest top_n_tokens (default: 5)"),
     _Flag("max_input_tokens", _count, "longest prompt in tokens (default: max_total_tokens - 1)"),
@@ -188,7 +190,6 @@ _FLAGS = (
 _IGNORED = {"validation_workers": True, "speculate": True,
             "weights_cache_override": True, "disable_custom_kernels": False,
             "cuda_memory_fraction": True, "otlp_endpoint": True, "otlp_service_name": True,
-            "max_client_batch_size": True,
             "usage_stats": True, "enable_prefill_logprobs": False, "ngrok_authtoken": True,
             "ngrok_edge": True, "env": False}
 # TGI flags whose effect we cannot give yet: refused.

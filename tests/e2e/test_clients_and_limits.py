@@ -102,3 +102,16 @@ def test_over_max_concurrent_requests_is_429_and_the_rest_finish(model):
         assert codes.count(200) >= 2 and set(codes) <= {200, 429} and 429 in codes
         metrics = httpx.get(s.url + "/metrics").text
         assert 'tgi_request_failure{err="overloaded"}' in metrics
+
+
+def test_max_client_batch_size_bounds_the_prompts_of_one_completion(model):
+    tmp, path = model
+    with RunningServer(tmp / "d", path, max_client_batch_size=2) as s:
+        assert httpx.get(s.url + "/info").json()["max_client_batch_size"] == 2
+        body = {"model": "tgi", "max_tokens": 2}
+        ok = httpx.post(s.url + "/v1/completions", json={**body, "prompt": ["a", "b"]}, timeout=60)
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+        refused = httpx.post(s.url + "/v1/completions", json={**body, "prompt": ["a", "b", "c"]}, timeout=60)
+        assert refused.status_code == 422
+        assert refused.json() == {"error": "Number of prompts exceeds the maximum allowed batch size of 2",
+                                  "error_type": "batch size exceeded"}
