@@ -33,6 +33,14 @@ def run(matrix: QuantizedMatrix, dtype=torch.float32, t: int = 5, bias=None) -> 
         return layer, layer(x).float(), reference
 
 
+def act_order_matrix(w: torch.Tensor, group_size: int) -> QuantizedMatrix:
+    """4-bit groups of `group_size` with the columns shuffled: an unsorted g_idx, as act-order
+    checkpoints of other quantizers hold (ours fixes groups on consecutive columns)."""
+    m = quantize_rtn(w, 4, group_size, symmetric=False)
+    perm = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(4))
+    return QuantizedMatrix(m.q[:, perm].contiguous(), m.scales, m.offsets, m.group[perm], 4)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
@@ -50,8 +58,7 @@ def test_int4_kernel_in_bfloat16_stays_within_bfloat16_rounding():
 
 
 def test_act_order_groups_run_on_int4_with_the_input_permuted():
-    w = random_weight()
-    m = gptq_quantize(w, torch.diag(torch.rand(128) + 0.1), 4, 32, act_order=True)
+    m = act_order_matrix(random_weight(), 32)
     assert not torch.equal(m.group, torch.sort(m.group).values)  # really unsorted
     layer, y, ref = run(m)
     assert layer.kernel == "int4" and layer.perm is not None and rel_err(y, ref) < 1e-5
@@ -63,8 +70,7 @@ def test_int4_prefill_rows_unpack_to_one_dense_gemm_equal_to_the_kernel(dtype, t
     # 128 output rows: two blocks of the packed layout. Past INT4_KERNEL_MAX_ROWS[dtype] rows the
     # layer unpacks the same bytes into a dense weight; under it, the int4 kernel runs.
     w = random_weight(128, 256)
-    m = (gptq_quantize(w, torch.diag(torch.rand(256) + 0.1), 4, 64, act_order=True) if act_order
-         else quantize_rtn(w, 4, 64, symmetric=False))
+    m = act_order_matrix(w, 64) if act_order else quantize_rtn(w, 4, 64, symmetric=False)
     rows = INT4_KERNEL_MAX_ROWS[dtype] + 3
     layer, y, ref = run(m, dtype, t=rows)
     assert layer.kernel == "int4" and layer.int4_max_rows == INT4_KERNEL_MAX_ROWS[dtype]
@@ -168,8 +174,7 @@ def test_the_triton_layout_runs_under_the_interpreter_as_on_cuda(monkeypatch, bi
         pytest.skip("needs triton")
     monkeypatch.setattr(quant_linear, "serves_triton", lambda device: True)
     w = random_weight(48, 128)
-    m = (gptq_quantize(w, torch.diag(torch.rand(128) + 0.1), 4, 32, act_order=True) if act_order
-         else quantize_rtn(w, bits, group_size, symmetric=False))
+    m = act_order_matrix(w, 32) if act_order else quantize_rtn(w, bits, group_size, symmetric=False)
     for t in (3, 20):
         layer, y, ref = run(m, t=t, bias=torch.randn(48))
         assert layer.kernel == "triton" and rel_err(y, ref) < 1e-5

@@ -69,12 +69,14 @@ SHRINK = tuple(1 - 0.025 * i for i in range(9))
 
 
 def affine_grid(w: torch.Tensor, bits: int, symmetric: bool, min_zero: int = 0,
-                search: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                search: bool = False, hessian: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, integer zero) [...] for groups w [..., size]: w ~ (q - zero) * scale.
     Symmetric: zero 2**(bits-1), scale absmax / (2**(bits-1) - 1). Asymmetric:
     the [min, max] range (0 included), zero in [min_zero, 2**bits - 1].
     search: also try the range shrunk by each SHRINK factor and keep, per
-    group, the grid with the least squared error."""
+    group, the grid with the least squared error, or with hessian
+    [G, size, size] (w [..., G, size]; the second moments of each group's
+    inputs) the least output error d^T H d."""
     top = 2 ** bits - 1
     best = None
     for factor in SHRINK if search else (1.0,):
@@ -86,7 +88,9 @@ def affine_grid(w: torch.Tensor, bits: int, symmetric: bool, min_zero: int = 0,
             scale = ((high - low) / top).clamp(min=1e-12)
             zero = torch.clamp(torch.round(-low / scale), min_zero, top)
         q = torch.clamp(torch.round(w / scale[..., None]) + zero[..., None], 0, top)
-        err = ((q - zero[..., None]) * scale[..., None] - w).pow(2).sum(-1)
+        diff = (q - zero[..., None]) * scale[..., None] - w
+        err = diff.pow(2) if hessian is None else torch.einsum("...gi,gij->...gj", diff, hessian) * diff
+        err = err.sum(-1)
         if best is None:
             best = (scale, zero, err)
         else:
@@ -97,16 +101,16 @@ def affine_grid(w: torch.Tensor, bits: int, symmetric: bool, min_zero: int = 0,
 
 
 def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int, symmetric: bool,
-                 search: bool = False) -> QuantizedMatrix:
+                 search: bool = False, hessian: torch.Tensor | None = None) -> QuantizedMatrix:
     """Round-to-nearest quantization of weight [N, K] with groups of
     `group_size` consecutive input columns (-1: one group per row) on the
-    grid `affine_grid` picks."""
+    grid `affine_grid` picks (hessian [G, group_size, group_size]: see there)."""
     n, k = weight.shape
     size = k if group_size == -1 else group_size
     if k % size:
         raise ValueError(f"{k} input columns do not split into groups of {size}")
     w = weight.float().reshape(n, k // size, size)
-    scale, zero = affine_grid(w, bits, symmetric, search=search)  # [N, G] each
+    scale, zero = affine_grid(w, bits, symmetric, search=search, hessian=hessian)  # [N, G] each
     q = torch.clamp(torch.round(w / scale[..., None]) + zero[..., None], 0, 2 ** bits - 1)
     group = torch.arange(k) // size
     return QuantizedMatrix(q.reshape(n, k).to(torch.uint8), scale, -zero * scale, group, bits)

@@ -2,7 +2,9 @@
 carry large activations (and scale the op feeding them down by the same
 factors), so their weights lose less to rounding. The factors are
 s = mean|x|^alpha, with alpha picked on a grid to minimise the error of the
-layers' outputs on calibration inputs."""
+layers' outputs on calibration inputs. Each alpha is judged by rounding
+with the output-error grid search (affine_grid with the groups' input
+second moments); the final rounding is GPTQ's (quantize_model.py)."""
 
 import torch
 
@@ -11,9 +13,17 @@ from ..quantized_matrix import quantize_rtn
 GRID = 20
 
 
-def fake_quantize(weight: torch.Tensor, group_size: int) -> torch.Tensor:
-    """weight [N, K] rounded as AWQ stores it (4 bits, asymmetric groups) and back."""
-    return quantize_rtn(weight, 4, group_size, symmetric=False, search=True).dequantize()
+def group_hessians(x: torch.Tensor, size: int) -> torch.Tensor:
+    """x [T, K] -> [K / size, size, size]: each group's diagonal block of X^T X / T."""
+    t, k = x.shape
+    xg = x.float().reshape(t, k // size, size).transpose(0, 1)  # [G, T, size]
+    return xg.transpose(1, 2) @ xg / t
+
+
+def fake_quantize(weight: torch.Tensor, group_size: int, hessian: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] rounded as AWQ stores it (4 bits, asymmetric groups, grids
+    searched for output error under `hessian`, see group_hessians) and back."""
+    return quantize_rtn(weight, 4, group_size, symmetric=False, search=True, hessian=hessian).dequantize()
 
 
 def search_scales(inputs: torch.Tensor, weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
@@ -26,11 +36,14 @@ def search_scales(inputs: torch.Tensor, weights: list[torch.Tensor], group_size:
     reference = x @ w.T                           # [T, sum N_i]
     activation = x.abs().mean(0)                  # [K]
     best, best_loss = torch.ones_like(activation), float("inf")
+    blocks = group_hessians(x, group_size)        # [G, size, size]
     for step in range(GRID):
         alpha = step / GRID
         s = activation.pow(alpha).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        approx = x @ (fake_quantize(w * s, group_size) / s).T
+        groups = s.reshape(-1, group_size)     # W * s sees inputs x / s: H / (s s^T)
+        scaled = blocks / (groups[:, :, None] * groups[:, None, :])
+        approx = x @ (fake_quantize(w * s, group_size, scaled) / s).T
         loss = float((approx - reference).pow(2).mean())
         if loss < best_loss:
             best, best_loss = s, loss

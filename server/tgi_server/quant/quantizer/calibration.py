@@ -6,9 +6,13 @@ shipped with every Python, read without importing anything); or text the
 model generates itself from BOS ("generated"; sampled text is narrow, so
 GPTQ needs many samples of it). GPTQ needs several thousand tokens: with
 ~1,000, its Hessian of SmolLM2's 1536-wide down_proj is singular and the
-result is worse than rounding. Inputs are caught with forward pre-hooks on each decoder
-layer's q_proj, o_proj, gate_proj and down_proj in one float32 pass over the
-full-precision model; q/k/v share q_proj's inputs and gate/up share
+result is worse than rounding.
+
+Calibration is sequential (GPTQ paper; AutoGPTQ's true-sequential): layer
+i's inputs come from running the calibration batch through layers 0..i-1
+already quantized, so each layer corrects for the error of those before it.
+Inputs are caught with forward pre-hooks on q_proj, o_proj, gate_proj and
+down_proj (float32); q/k/v share q_proj's inputs and gate/up share
 gate_proj's."""
 
 import ast
@@ -67,38 +71,84 @@ def calibration_ids(model, tokenizer, samples: int, length: int, seed: int,
     return out[:, :length]
 
 
+CHUNK = 16  # calibration sequences run through a decoder layer at once (bounds activation memory)
+
+
+class _Stop(Exception):
+    """Raised from a hook to end a forward pass once what it needs is caught."""
+
+
+def first_layer_inputs(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, dict]]:
+    """ids [S, L] -> per chunk of CHUNK sequences: (hidden [c, L, D] entering
+    decoder layer 0, the keyword arguments the model passes every layer:
+    mask, positions, rotary embeddings)."""
+    layer, chunks = model.model.layers[0], []
+
+    def catch(module, args, kwargs):
+        chunks.append((args[0].detach(), kwargs))
+        raise _Stop
+
+    handle = layer.register_forward_pre_hook(catch, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            for batch in ids.split(CHUNK):
+                try:
+                    model.model(batch, use_cache=False)
+                except _Stop:
+                    pass
+    finally:
+        handle.remove()
+    return chunks
+
+
+def run_layer(layer, chunks: list[tuple[torch.Tensor, dict]]) -> list[tuple[torch.Tensor, dict]]:
+    """The chunks' hidden states after `layer` (as it is now: quantized layers
+    feed the next layer what the quantized model will)."""
+    with torch.no_grad():
+        outputs = [layer(hidden, **kwargs) for hidden, kwargs in chunks]
+    return [(out[0] if isinstance(out, tuple) else out, kwargs) for out, (_, kwargs) in zip(outputs, chunks)]
+
+
 @dataclass
 class LayerInputs:
-    """Per caught input `model.layers.{i}.{name}`: hessian [K, K] = X^T X / n
-    (for GPTQ) or a sample of rows X [<= max_rows, K] (for AWQ)."""
+    """Per caught input (an INPUT_GROUPS key): hessian [K, K] = X^T X / n
+    (for GPTQ) or a sample of rows X [~max_rows, K] (for AWQ's search)."""
 
     hessians: dict[str, torch.Tensor] = field(default_factory=dict)
     samples: dict[str, torch.Tensor] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
 
 
-def collect_inputs(model, ids: torch.Tensor, hessians: bool, max_rows: int = 1024) -> LayerInputs:
-    """One forward pass over `ids` [S, L] with hooks on every decoder layer."""
-    caught = LayerInputs()
-    rows_per_batch = max(1, max_rows // ids.shape[0])
+def catch_inputs(layer, chunks: list[tuple[torch.Tensor, dict]], names: list[str], max_rows: int = 0,
+                 seed: int = 0) -> LayerInputs:
+    """The inputs of `layer`'s linears `names` (INPUT_GROUPS keys, in forward
+    order) over all chunks: hessians, or with max_rows > 0 (AWQ's search)
+    a sample of about that many rows instead. The pass stops at the last of them."""
+    caught, generator = LayerInputs(), torch.Generator().manual_seed(seed)
+    total = sum(hidden.shape[0] * hidden.shape[1] for hidden, _ in chunks)
 
     def hook(name):
         def catch(module, args):
-            x = args[0].reshape(-1, args[0].shape[-1]).float()  # [S_b * L, K]
-            if hessians:
+            x = args[0].reshape(-1, args[0].shape[-1]).float()  # [c * L, K]
+            if not max_rows:
                 caught.hessians[name] = caught.hessians.get(name, 0) + x.T @ x
                 caught.counts[name] = caught.counts.get(name, 0) + x.shape[0]
             else:
-                picked = x[torch.randperm(x.shape[0])[:rows_per_batch]]
+                rows = max(1, max_rows * x.shape[0] // total)
+                picked = x[torch.randperm(x.shape[0], generator=generator)[:rows]]
                 caught.samples[name] = torch.cat([caught.samples[name], picked]) if name in caught.samples else picked
+            if name == names[-1]:
+                raise _Stop
         return catch
 
-    handles = [module.register_forward_pre_hook(hook(f"model.layers.{i}.{name}"))
-               for i, layer in enumerate(model.model.layers) for name, module in _caught(layer)]
+    handles = [submodule(layer, name).register_forward_pre_hook(hook(name)) for name in names]
     try:
         with torch.no_grad():
-            for row in ids:
-                model(row[None])
+            for hidden, kwargs in chunks:
+                try:
+                    layer(hidden, **kwargs)
+                except _Stop:
+                    pass
     finally:
         for handle in handles:
             handle.remove()
@@ -107,7 +157,6 @@ def collect_inputs(model, ids: torch.Tensor, hessians: bool, max_rows: int = 102
     return caught
 
 
-def _caught(layer):
-    for name in INPUT_GROUPS:
-        owner, attr = name.split(".")
-        yield name, getattr(getattr(layer, owner), attr)
+def submodule(layer, name: str):
+    owner, attr = name.split(".")
+    return getattr(getattr(layer, owner), attr)

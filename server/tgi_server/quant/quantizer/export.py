@@ -34,7 +34,7 @@ def awq_tensors(prefix: str, m: QuantizedMatrix) -> dict[str, torch.Tensor]:
 def quantization_config(method: str, bits: int, group_size: int, act_order: bool, symmetric: bool) -> dict:
     if method == "gptq":
         return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": act_order,
-                "sym": symmetric, "true_sequential": False, "checkpoint_format": "gptq"}
+                "sym": symmetric, "true_sequential": True, "checkpoint_format": "gptq"}
     return {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True,
             "version": "gemm"}
 

@@ -1,7 +1,12 @@
 """GPTQ (Frantar et al., 2022): quantize a weight column by column, each
 time spreading the rounding error over the columns not yet quantized in the
 proportions the inverse Hessian of the layer's inputs gives, so that the
-layer's outputs on the calibration data move as little as possible."""
+layer's outputs on the calibration data move as little as possible.
+
+Each group's grid is the one (of affine_grid's searched ranges) with the
+least output error on the calibration inputs, err = d^T H_g d with H_g the
+group's diagonal block of H, rather than the least weight error: it clips
+what the inputs rarely use (as AWQ's clipping search does)."""
 
 import torch
 
@@ -14,13 +19,16 @@ DAMP = 0.01     # fraction of the mean diagonal added to H for stability
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int,
                   act_order: bool, symmetric: bool = True) -> QuantizedMatrix:
     """weight [N, K], hessian [K, K] = X^T X / n over the calibration inputs
-    -> QuantizedMatrix on affine_grid's searched grids; an asymmetric zero
-    stays in [1, 2**bits - 1] so that GPTQ's v1 layout (zero - 1 stored)
-    holds it.
+    -> QuantizedMatrix; an asymmetric zero stays in [1, 2**bits - 1] so
+    that GPTQ's v1 layout (zero - 1 stored) holds it.
 
     act_order: columns are quantized in order of decreasing H diagonal (the
-    most-used inputs first); the groups then follow that order, and `group`
-    (the checkpoint's g_idx) maps each column to its group."""
+    most-used inputs first). The groups stay consecutive original columns
+    ("static groups"), their grids fixed up front from the weight, so
+    `group` (the checkpoint's g_idx) is the plain k // group_size: kernels
+    need no reordering, and grids stay aligned with the blocks of a
+    block-quantized source (GGUF). Without act-order, each group's grid comes
+    from its columns as they are when it is reached (earlier errors folded in)."""
     n, k = weight.shape
     size = k if group_size == -1 else group_size
     if k % size:
@@ -30,26 +38,30 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
     dead = torch.diag(h) == 0
     h[dead, dead] = 1
     w[:, dead] = 0
+    blocks = torch.stack([h[g:g + size, g:g + size] for g in range(0, k, size)])  # [G, size, size]
+    scales = torch.zeros(n, k // size)
+    zeros = torch.full((n, k // size), float(2 ** (bits - 1)))
+    if act_order:
+        scales, zeros = affine_grid(w.reshape(n, k // size, size), bits, symmetric, 1, search=True, hessian=blocks)
     perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(k)
     w, h = w[:, perm], h[perm][:, perm]
     h += DAMP * torch.mean(torch.diag(h)) * torch.eye(k)
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)  # [K, K]
 
     top = 2 ** bits - 1
+    group = perm // size  # [K]: the group of each column in quantization order
     q = torch.zeros(n, k, dtype=torch.uint8)
-    scales = torch.zeros(n, k // size)
-    zeros = torch.full((n, k // size), float(2 ** (bits - 1)))
     for start in range(0, k, BLOCK):
         stop = min(start + BLOCK, k)
         block = w[:, start:stop].clone()     # [N, B]
         errors = torch.zeros_like(block)     # [N, B]
         for i in range(stop - start):
             col = start + i
-            if col % size == 0:
-                # The group's scale comes from its columns as they are now (earlier errors folded in).
-                pending = torch.cat([block[:, i:], w[:, stop:]], dim=1)[:, :size]
-                scales[:, col // size], zeros[:, col // size] = affine_grid(pending, bits, symmetric, 1, search=True)
-            scale, zero = scales[:, col // size], zeros[:, col // size]
+            if not act_order and col % size == 0:
+                pending = torch.cat([block[:, i:], w[:, stop:]], dim=1)[:, None, :size]  # [N, 1, size]
+                grid = affine_grid(pending, bits, symmetric, 1, search=True, hessian=blocks[col // size, None])
+                scales[:, col // size], zeros[:, col // size] = grid[0][:, 0], grid[1][:, 0]
+            scale, zero = scales[:, group[col]], zeros[:, group[col]]
             values = torch.clamp(torch.round(block[:, i] / scale) + zero, 0, top)
             q[:, col] = values.to(torch.uint8)
             err = (block[:, i] - (values - zero) * scale) / hinv[col, col]
@@ -58,5 +70,4 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
         w[:, stop:] -= errors @ hinv[start:stop, stop:]
 
     inverse = torch.argsort(perm)
-    group = (torch.arange(k) // size)[inverse]  # [K]: the group of each original column
-    return QuantizedMatrix(q[:, inverse].contiguous(), scales, -zeros * scales, group, bits)
+    return QuantizedMatrix(q[:, inverse].contiguous(), scales, -zeros * scales, group[inverse], bits)

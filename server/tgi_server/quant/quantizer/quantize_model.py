@@ -8,10 +8,10 @@ import transformers
 
 from ...weights.resolve import resolve_model
 from .awq_search import search_scales
-from .calibration import INPUT_GROUPS, calibration_ids, collect_inputs
+from .calibration import INPUT_GROUPS, calibration_ids, catch_inputs, first_layer_inputs, run_layer, submodule
 from .export import save_quantized
 from .gptq_solver import gptq_quantize
-from ..quantized_matrix import QuantizedMatrix, quantize_rtn
+from ..quantized_matrix import QuantizedMatrix
 
 
 def quantize_model(model_id: str | None, out: Path, method: str, bits: int = 4, group_size: int = 128,
@@ -20,32 +20,43 @@ def quantize_model(model_id: str | None, out: Path, method: str, bits: int = 4, 
     """Quantize every decoder linear of `model_id` (None: the default model)
     with GPTQ (`bits` 4 or 8, symmetric or not, optional act-order) or AWQ
     (4 bits, asymmetric, searched scales) and write the checkpoint to `out`.
-    calibration: "stdlib", "generated" or a text file (calibration.py)."""
+    calibration: "stdlib", "generated" or a text file (calibration.py).
+
+    Layer by layer, and within a layer q/k/v, o, gate/up, down in turn, each
+    is rounded by GPTQ on the inputs the already-quantized model feeds it.
+    AWQ first folds its scales into the float layer, then rounds the same
+    way: its layout only fixes the grid, not how values are picked, and
+    GPTQ's error feedback is worth ~5 points of perplexity over rounding to
+    nearest on SmolLM2-135M."""
     if method == "awq" and (bits != 4 or act_order or symmetric):
         raise ValueError("AWQ writes asymmetric 4-bit checkpoints without act-order")
     model, tokenizer = load_float_model(model_id)
     ids = calibration_ids(model, tokenizer, samples, length, seed, calibration)
-    inputs = collect_inputs(model, ids, hessians=method == "gptq")
+    chunks = first_layer_inputs(model, ids)
     matrices: dict[str, QuantizedMatrix] = {}
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}"
-        if method == "awq":
-            _awq_rescale(layer, prefix, inputs.samples, group_size)
+        if method == "awq":  # scales from the float layer's inputs, folded in before any rounding
+            inputs = catch_inputs(layer, chunks, list(INPUT_GROUPS), max_rows=1024, seed=seed + i)
+            _awq_rescale(layer, inputs.samples, group_size)
         for caught, members in INPUT_GROUPS.items():
-            weights = [_module(layer, name).weight.detach() for name in members]
-            if method == "gptq":
-                # GPTQ treats rows independently given H: linears sharing inputs go through it together.
-                h = inputs.hessians[f"{prefix}.{caught}"]
-                stacked = gptq_quantize(torch.cat(weights), h, bits, group_size, act_order, symmetric)
-                bounds = torch.tensor([0] + [w.shape[0] for w in weights]).cumsum(0).tolist()
-                parts = [stacked.rows(slice(a, b)) for a, b in zip(bounds, bounds[1:])]
-            else:
-                parts = [quantize_rtn(w, 4, group_size, symmetric=False, search=True) for w in weights]
-            matrices.update({f"{prefix}.{name}": part for name, part in zip(members, parts)})
+            linears = [submodule(layer, name) for name in members]
+            # Inputs through this layer's linears already quantized (true-sequential): [K, K].
+            h = catch_inputs(layer, chunks, [caught]).hessians[caught]
+            # GPTQ treats rows independently given H: linears sharing inputs go through it together.
+            # AWQ's layout has no g_idx; act-order's static groups keep it the plain one.
+            stacked = gptq_quantize(torch.cat([m.weight.detach() for m in linears]), h, bits, group_size,
+                                    act_order or method == "awq", symmetric)
+            bounds = torch.tensor([0] + [m.weight.shape[0] for m in linears]).cumsum(0).tolist()
+            for name, m, (a, b) in zip(members, linears, zip(bounds, bounds[1:])):
+                matrices[f"{prefix}.{name}"] = part = stacked.rows(slice(a, b))
+                with torch.no_grad():
+                    m.weight.copy_(part.dequantize())
+        chunks = run_layer(layer, chunks)
     save_quantized(model, matrices, out, method, group_size, act_order, symmetric, tokenizer)
 
 
-def _awq_rescale(layer, prefix: str, samples: dict[str, torch.Tensor], group_size: int) -> None:
+def _awq_rescale(layer, samples: dict[str, torch.Tensor], group_size: int) -> None:
     """Folds AWQ's searched factors into the layer: q/k/v and gate/up columns
     times s, their norm divided by s; down columns times s, up rows divided
     by s. (o_proj's input comes from v through attention; folding needs v's
@@ -59,7 +70,7 @@ def _awq_rescale(layer, prefix: str, samples: dict[str, torch.Tensor], group_siz
         pairs.append(("self_attn.o_proj", attn.v_proj, [attn.o_proj]))
     with torch.no_grad():
         for caught, previous, linears in pairs:
-            x = samples[f"{prefix}.{caught}"]
+            x = samples[caught]
             s = search_scales(x, [m.weight for m in linears], group_size)  # [K]
             for m in linears:
                 m.weight.mul_(s)
@@ -69,11 +80,6 @@ def _awq_rescale(layer, prefix: str, samples: dict[str, torch.Tensor], group_siz
                 previous.weight.div_(s[:, None])
                 if getattr(previous, "bias", None) is not None:
                     previous.bias.div_(s)
-
-
-def _module(layer, name: str):
-    owner, attr = name.split(".")
-    return getattr(getattr(layer, owner), attr)
 
 
 def save_float_model(model_id: str | None, out: Path, dtype: torch.dtype = torch.bfloat16) -> None:
