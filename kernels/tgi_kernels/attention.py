@@ -14,7 +14,7 @@ is for tests). The choice of a forced backend (env TGI_ATTENTION_BACKEND, flag
 
 from __future__ import annotations
 
-from types import ModuleType
+from typing import Protocol
 
 import torch
 
@@ -22,7 +22,20 @@ from . import flash, reference, sdpa
 from . import triton as triton_backend
 from .metadata import DecodeMeta, PrefillMeta
 
-_BACKENDS: dict[str, ModuleType] = {
+
+class AttentionBackend(Protocol):
+    """What each backend module provides: the two functions below, with their
+    contracts, minus the `backend` argument (tests check every module's signatures)."""
+
+    def paged_decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: DecodeMeta, scale: float, sliding_window: int = 0) -> torch.Tensor: ...
+
+    def varlen_prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PrefillMeta, scale: float,
+                       sliding_window: int = 0) -> torch.Tensor: ...
+
+
+BACKENDS: dict[str, AttentionBackend] = {
     "reference": reference, "sdpa": sdpa, "flash_attn": flash, "triton": triton_backend,
 }
 
@@ -58,14 +71,14 @@ def select_backend(device: torch.device, forced: str | None = None) -> str:
     return "sdpa"
 
 
-def _backend(device: torch.device, name: str | None) -> ModuleType:
+def _backend(device: torch.device, name: str | None) -> AttentionBackend:
     # An explicit name is checked only for existence: the caller validates it once,
     # through select_backend, rather than on every layer of every step.
     if name is None:
-        return _BACKENDS[select_backend(device)]
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(_BACKENDS)}")
-    return _BACKENDS[name]
+        return BACKENDS[select_backend(device)]
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}")
+    return BACKENDS[name]
 
 
 def paged_decode(

@@ -88,3 +88,15 @@ def test_cuda_default_prefers_flash_attn_then_triton_then_sdpa(monkeypatch, flas
     monkeypatch.setattr(flash, "is_available", lambda device: flash_ok)
     monkeypatch.setattr(triton_backend, "is_available", lambda device: triton_ok)
     assert select_backend(torch.device("cuda")) == expected
+
+
+@pytest.mark.parametrize("name", sorted(tgi_kernels.attention.BACKENDS))
+def test_every_backend_module_has_the_protocol_s_signatures(name):
+    import inspect
+
+    from tgi_kernels.attention import BACKENDS, AttentionBackend
+
+    module = BACKENDS[name]
+    for function in ("paged_decode", "varlen_prefill"):
+        want = list(inspect.signature(getattr(AttentionBackend, function)).parameters)[1:]  # without self
+        assert list(inspect.signature(getattr(module, function)).parameters) == want, (name, function)
