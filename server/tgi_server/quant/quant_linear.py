@@ -122,12 +122,12 @@ class QuantLinear(nn.Module):
         return ((q.to(scale.dtype) - 8) * scale + zero).view(n, k)
 
     def _init_triton(self, m: QuantizedMatrix, device: torch.device) -> None:
-        self.weight = pack_quantized(m.q.to(device), m.scales.to(device), m.offsets.to(device),
+        self.triton_weight = pack_quantized(m.q.to(device), m.scales.to(device), m.offsets.to(device),
                                      m.group.to(device), m.bits)
         # The same tensors as parameters, so that the shard's weight count sees them.
-        self.packed = _frozen(self.weight.packed)    # 4-bit: [ceil(K/2), N]; 8-bit: [K, N] uint8
-        self.scales = _frozen(self.weight.scales)    # [G, N] float32
-        self.offsets = _frozen(self.weight.offsets)  # [G, N] float32
+        self.packed = _frozen(self.triton_weight.packed)    # 4-bit: [ceil(K/2), N]; 8-bit: [K, N] uint8
+        self.scales = _frozen(self.triton_weight.scales)    # [G, N] float32
+        self.offsets = _frozen(self.triton_weight.offsets)  # [G, N] float32
 
     def _init_int8(self, m: QuantizedMatrix, dtype: torch.dtype) -> None:
         scales, offsets = m.scales[:, 0], m.offsets[:, 0]  # [N]
@@ -139,7 +139,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "triton":
-            y = quant_matmul(x.reshape(-1, self.in_features), self.weight).view(*x.shape[:-1], self.out_features)
+            y = quant_matmul(x.reshape(-1, self.in_features), self.triton_weight).view(*x.shape[:-1], self.out_features)
         elif self.kernel == "int4":
             xs = x if self.perm is None else x.index_select(-1, self.perm)
             if self.int4_max_rows is not None and xs.numel() > self.int4_max_rows * self.in_features:
