@@ -147,27 +147,24 @@ def stage_tests(python: str, result: dict) -> None:
         result["tests"]["output_tail"] = out[-3000:]
 
 
-def stage_bench(python: str, result: dict) -> None:
-    code, out = _run([python, "-m", "benchmarks.gpu_check", "--bench-only"], DEADLINES["bench"],
-                     env=dict(os.environ, PYTHONPATH=_pythonpath()))
-    _keep_log("bench", out)
+def _json_stage(name: str, module_args: list[str], python: str, result: dict) -> None:
+    """result[name]: the last JSON line of `python -m <module_args>`, or its failure."""
+    code, out = _run([python, "-m", *module_args], DEADLINES[name], env=dict(os.environ, PYTHONPATH=_pythonpath()))
+    _keep_log(name, out)
     lines = [line for line in out.splitlines() if line.startswith("{")]
     if code == 0 and lines:
-        result["bench"] = {"ok": True, **json.loads(lines[-1])}
+        result[name] = {"ok": True, **json.loads(lines[-1])}
     else:
-        result["bench"] = {"ok": False, "exit": code, "output_tail": out[-3000:]}
+        result[name] = {"ok": False, "exit": code, "output_tail": out[-3000:]}
+
+
+def stage_bench(python: str, result: dict) -> None:
+    _json_stage("bench", ["benchmarks.gpu_check", "--bench-only"], python, result)
 
 
 def stage_quant_bench(python: str, result: dict) -> None:
     """Our Triton quantized GEMM against bf16 F.linear (benchmarks/quant_cuda.py)."""
-    code, out = _run([python, "-m", "benchmarks.quant_cuda"], DEADLINES["quant_bench"],
-                     env=dict(os.environ, PYTHONPATH=_pythonpath()))
-    _keep_log("quant_bench", out)
-    lines = [line for line in out.splitlines() if line.startswith("{")]
-    if code == 0 and lines:
-        result["quant_bench"] = {"ok": True, **json.loads(lines[-1])}
-    else:
-        result["quant_bench"] = {"ok": False, "exit": code, "output_tail": out[-3000:]}
+    _json_stage("quant_bench", ["benchmarks.quant_cuda"], python, result)
 
 
 # --- stage 3, run inside the CUDA Python ------------------------------------------------------

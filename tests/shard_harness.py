@@ -219,9 +219,11 @@ def save_tiny_tokenizer(path: Path) -> None:
     fast.save_pretrained(path)
 
 
-def save_tiny_served_model(path: Path, seed: int = 0, eos_token_id: int | None = 257) -> Path:
+def save_tiny_served_model(path: Path, seed: int = 0, eos_token_id: int | None = 257, **overrides) -> Path:
     """A tiny llama with a tokenizer: what the router needs to serve text.
-    eos_token_id None: the model never stops early (for long generations)."""
-    save_tiny_model("llama", path, seed=seed, vocab_size=320, bos_token_id=256, eos_token_id=eos_token_id)
+    eos_token_id None: the model never stops early (for long generations);
+    overrides: other config fields (head counts for tensor parallelism)."""
+    save_tiny_model("llama", path, seed=seed, vocab_size=320, bos_token_id=256, eos_token_id=eos_token_id,
+                    **overrides)
     save_tiny_tokenizer(path)
     return path

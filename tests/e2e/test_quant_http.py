@@ -12,7 +12,7 @@ import pytest
 
 from tgi_server.cli import main as server_cli
 
-from ..shard_harness import save_tiny_model, save_tiny_tokenizer
+from ..shard_harness import save_tiny_served_model
 from .router_harness import launch
 from .test_tensor_parallel_http import PROMPTS, answers
 
@@ -23,10 +23,7 @@ pytestmark = pytest.mark.slow
 def float_model(tmp_path_factory):
     """8 attention heads and 4 KV heads (4 + 2 per rank at N=2), hidden 64: groups of 32."""
     path = tmp_path_factory.mktemp("quant") / "float"
-    save_tiny_model("llama", path, vocab_size=320, bos_token_id=256, eos_token_id=None,
-                    num_attention_heads=8, num_key_value_heads=4)
-    save_tiny_tokenizer(path)
-    return path
+    return save_tiny_served_model(path, eos_token_id=None, num_attention_heads=8, num_key_value_heads=4)
 
 
 @pytest.fixture(scope="module")

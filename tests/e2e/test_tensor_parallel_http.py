@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from ..shard_harness import save_tiny_model, save_tiny_tokenizer
+from ..shard_harness import save_tiny_served_model
 from .router_harness import free_port, launch
 
 PROMPTS = ["Hello", "The weather today", "Once upon a time", "1, 2, 3,", "Paris is",
@@ -39,10 +39,7 @@ def answers(model: str | None, tmp_path, num_shard: int, *flags: str) -> tuple[l
 def tiny(tmp_path_factory):
     """8 attention heads, 4 KV heads: 4 + 2 per rank at N=2."""
     path = tmp_path_factory.mktemp("tp") / "tiny"
-    save_tiny_model("llama", path, vocab_size=320, bos_token_id=256, eos_token_id=None,
-                    num_attention_heads=8, num_key_value_heads=4)
-    save_tiny_tokenizer(path)
-    return str(path)
+    return str(save_tiny_served_model(path, eos_token_id=None, num_attention_heads=8, num_key_value_heads=4))
 
 
 def test_two_shards_answer_as_one(tiny, tmp_path):
