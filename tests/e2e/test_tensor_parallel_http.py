@@ -7,6 +7,7 @@ import signal
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -18,18 +19,27 @@ PROMPTS = ["Hello", "The weather today", "Once upon a time", "1, 2, 3,", "Paris 
            "Write a poem", "def main():", "The quick brown fox"]
 
 
-def texts(url: str, parameters: dict) -> list[str]:
-    return [httpx.post(url + "/generate", json={"inputs": p, "parameters": parameters}, timeout=120)
-            .json()["generated_text"] for p in PROMPTS]
+def texts(url: str, parameters: dict, concurrent: bool) -> list[str]:
+    def one(prompt: str) -> str:
+        return httpx.post(url + "/generate", json={"inputs": prompt, "parameters": parameters},
+                          timeout=120).json()["generated_text"]
+    if not concurrent:
+        return [one(p) for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(one, PROMPTS))
 
 
-def answers(model: str | None, tmp_path, num_shard: int, *flags: str) -> tuple[list[str], list[str]]:
-    """(greedy texts, seeded sampled texts) of PROMPTS from a launch with `num_shard` shards."""
+def answers(model: str | None, tmp_path, num_shard: int, *flags: str,
+            concurrent: bool = False) -> tuple[list[str], list[str]]:
+    """(greedy texts, seeded sampled texts) of PROMPTS from a launch with
+    `num_shard` shards. concurrent: the prompts are sent at once and share
+    batches, whose make-up then varies with arrival order (only in float64
+    is a text then independent of it)."""
     proc, url = launch(model, tmp_path / f"n{num_shard}", "--num-shard", str(num_shard),
                        "--master-port", str(free_port()), *flags)
     try:
-        return (texts(url, {"max_new_tokens": 16}),
-                texts(url, {"max_new_tokens": 16, "do_sample": True, "temperature": 0.8, "seed": 7}))
+        return (texts(url, {"max_new_tokens": 16}, concurrent),
+                texts(url, {"max_new_tokens": 16, "do_sample": True, "temperature": 0.8, "seed": 7}, concurrent))
     finally:
         proc.terminate()
         proc.wait(30)
@@ -61,7 +71,7 @@ def test_smollm2_on_three_shards_answers_as_one(tmp_path):
     (tmp_path / "n3").mkdir()
     # A 512-token warmup: float64 GEMMs are slow, and warmup prefills the whole budget.
     flags = ("--dtype", "float64", "--kv-cache-bytes", "160MiB", "--max-batch-prefill-tokens", "512")
-    assert answers(None, tmp_path, 3, *flags) == answers(None, tmp_path, 1, *flags)
+    assert answers(None, tmp_path, 3, *flags, concurrent=True) == answers(None, tmp_path, 1, *flags, concurrent=True)
 
 
 def test_a_dead_rank_fails_in_flight_requests_and_health(tiny, tmp_path):

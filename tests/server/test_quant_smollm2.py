@@ -41,12 +41,7 @@ def float_checkpoint(tmp_path_factory):
 def quantized(request, tmp_path_factory):
     """(method, SmolLM2 quantized by it: 4 bits, groups of 32; GPTQ asymmetric with act-order)."""
     path = tmp_path_factory.mktemp("smollm2") / request.param
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the GPTQ solver is many small ops: one thread is faster
-    try:
-        quantize_model(None, path, request.param, group_size=32, act_order=request.param == "gptq")
-    finally:
-        torch.set_num_threads(threads)
+    quantize_model(None, path, request.param, group_size=32, act_order=request.param == "gptq")
     return request.param, path
 
 
