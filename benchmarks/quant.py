@@ -37,13 +37,10 @@ def checkpoints() -> dict[str, tuple[str, str | None]]:
     float_dir, gptq, awq = CACHE / "bf16", CACHE / "gptq-4bit", CACHE / "awq-4bit"
     if not (float_dir / "config.json").exists():
         save_float_model(None, float_dir)
-    # The GPTQ solver is many small ops: one thread is faster than two.
-    torch.set_num_threads(1)
     if not (gptq / "config.json").exists():
         quantize_model(None, gptq, "gptq", group_size=32, act_order=True)
     if not (awq / "config.json").exists():
         quantize_model(None, awq, "awq", group_size=32)
-    torch.set_num_threads(THREADS)
     return {"bf16": (str(float_dir), None), "eetq": (str(float_dir), "eetq"), "gptq_4bit": (str(gptq), None),
             "awq_4bit": (str(awq), None), "gguf_q4_1": (str(default_model_path()), None)}
 

@@ -71,6 +71,7 @@ class RouterConfig:
     kv_cache_bytes: int = 0        # KV cache budget passed to each shard; 0: sized at Warmup
     num_threads: int = 0           # torch threads per shard on CPU; 0: torch's default
     step_timeout: float = 120.0    # seconds a shard may take for one step before it counts as hung; 0: none
+    request_read_timeout: float = 60.0  # seconds a request (headers and body) may take to arrive; 0: none
     protect_metrics: bool = False  # with --api-key, /metrics and /info need the key too
     log_level: str = "info"        # env LOG_LEVEL, as TGI
     prefix_caching: bool = True    # env PREFIX_CACHING=0 (or false) turns it off, as TGI; no flag
@@ -181,6 +182,8 @@ _FLAGS = (
     _Flag("num_threads", _count, "[ours] torch threads per shard on CPU (default: torch's)"),
     _Flag("step_timeout", _float, "[ours] seconds one step may take before the shard counts as hung: "
           "in-flight requests fail and the launcher exits 1 (default: 120; 0: no deadline)"),
+    _Flag("request_read_timeout", _float, "[ours] seconds a request's headers and body may take to arrive "
+          "before its connection is closed (408): slow clients cannot hold sockets (default: 60; 0: no deadline)"),
     _Flag("protect_metrics", None, "[ours] with --api-key, /metrics and /info need the key too "
           "(/health stays open)"),
 )
@@ -317,6 +320,8 @@ def _validate(c: RouterConfig) -> None:
         raise ConfigError(f"`waiting_served_ratio` must be >= 0. Given: {c.waiting_served_ratio}")
     if c.step_timeout < 0:
         raise ConfigError(f"`step_timeout` must be >= 0. Given: {c.step_timeout}")
+    if c.request_read_timeout < 0:
+        raise ConfigError(f"`request_read_timeout` must be >= 0. Given: {c.request_read_timeout}")
     if c.max_batch_size == 0:
         raise ConfigError("`max_batch_size` must be > 0")
     if None not in (c.max_input_tokens, c.max_total_tokens) and c.max_input_tokens >= c.max_total_tokens:

@@ -3,6 +3,7 @@ limits, and serves HTTP until shutdown, draining in-flight requests."""
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -18,6 +19,7 @@ from .config import RouterConfig, prefill_tokens, resolve_limits
 from .engine import Engine
 from .input_bound import max_chars_per_token
 from .metrics import Metrics
+from .read_deadline import ReadDeadlineProtocol
 from .scheduler import Scheduler
 from .tokenizer import RouterTokenizer
 from .validation import ValidationLimits
@@ -37,8 +39,10 @@ async def serve_router(config: RouterConfig, shard_failed: asyncio.Event, shutdo
         log.error("shards failed during warmup: %s", err)
         await client.close()
         return 1
+    http = (functools.partial(ReadDeadlineProtocol, read_timeout=config.request_read_timeout)
+            if config.request_read_timeout > 0 else "h11")
     server = _Server(uvicorn.Config(app, host=config.hostname, port=config.port, log_level="warning",
-                                    log_config=None, lifespan="off", timeout_graceful_shutdown=1))
+                                    log_config=None, lifespan="off", timeout_graceful_shutdown=1, http=http))
     serving = asyncio.ensure_future(server.serve())
     stepping = asyncio.ensure_future(engine.run_forever())
     log.info("router listening on http://%s:%d", config.hostname, config.port)

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -163,3 +164,37 @@ def test_a_hung_shard_fails_every_request_at_the_step_deadline_and_the_launcher_
             os.kill(shard, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_slow_clients_are_cut_off_at_the_read_deadline_and_hold_nothing(model):
+    """Slowloris: 40 connections that send part of a request (or nothing, or
+    a body that stalls) are closed at --request-read-timeout, while a normal
+    client is served; no route fails on the cut-off bodies."""
+    tmp, path = model
+    proc, url = launch(path, tmp / "slowloris", "--request-read-timeout", "1")
+    port = int(url.rsplit(":", 1)[1])
+    body = b'{"inputs": "Hello", "parameters": {"max_new_tokens": 4}}'
+    head = b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+    partial = [b"", head[:30], head + body[:10]]  # nothing, half the headers, half the body
+    try:
+        sockets = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(40)]
+        start = time.monotonic()
+        for i, s in enumerate(sockets):
+            s.sendall(partial[i % 3])
+        assert httpx.post(url + "/generate", content=body, headers={"content-type": "application/json"},
+                          timeout=10).status_code == 200
+        answers = []
+        for s in sockets:
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+            answers.append(data.split(b"\r\n")[0])
+            s.close()
+        assert time.monotonic() - start < 1 + 5
+        assert answers == [[b"", b"HTTP/1.1 408 Request Timeout", b""][i % 3] for i in range(40)]
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    log = (tmp / "slowloris" / "launcher.log").read_text()
+    assert "Traceback" not in log and "Exception in ASGI" not in log, log
