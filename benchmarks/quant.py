@@ -8,6 +8,10 @@ decode steps are timed. Reported per variant: weight bytes held and decode
 tokens/s at batch 1 and 32 (best of REPEATS interleaved rounds: the machine is shared). The
 bf16 baseline is the GGUF file dequantized once and saved as safetensors.
 `int4_b1_vs_bf16` is GPTQ-4bit's batch-1 decode speed over bf16's.
+Two more variants run the GGUF file with float32 activations, as a CPU
+without bf16 serves it: exact (--dtype float32) and with the int4 kernel
+fed bf16 (the shard's default there); `fp32_bf16_kernels_b1_vs_exact`
+is the second's batch-1 speed over the first's.
 Quantized checkpoints are written once into CACHE (a few minutes each)."""
 
 import tempfile
@@ -32,8 +36,11 @@ BLOCK = 16
 CACHE = Path(tempfile.gettempdir()) / "tgi-py-bench-quant"
 
 
-def checkpoints() -> dict[str, tuple[str, str | None]]:
-    """name -> (model path, --quantize); quantizes what CACHE lacks."""
+BF16 = (torch.bfloat16, None)
+
+
+def checkpoints() -> dict[str, tuple[str, str | None, tuple[torch.dtype, torch.dtype | None]]]:
+    """name -> (model path, --quantize, (dtype, quantized kernels' dtype)); quantizes what CACHE lacks."""
     float_dir, gptq, awq = CACHE / "bf16", CACHE / "gptq-4bit", CACHE / "awq-4bit"
     if not (float_dir / "config.json").exists():
         save_float_model(None, float_dir)
@@ -41,8 +48,11 @@ def checkpoints() -> dict[str, tuple[str, str | None]]:
         quantize_model(None, gptq, "gptq", group_size=32, act_order=True)
     if not (awq / "config.json").exists():
         quantize_model(None, awq, "awq", group_size=32)
-    return {"bf16": (str(float_dir), None), "eetq": (str(float_dir), "eetq"), "gptq_4bit": (str(gptq), None),
-            "awq_4bit": (str(awq), None), "gguf_q4_1": (str(default_model_path()), None)}
+    gguf = str(default_model_path())
+    return {"bf16": (str(float_dir), None, BF16), "eetq": (str(float_dir), "eetq", BF16),
+            "gptq_4bit": (str(gptq), None, BF16), "awq_4bit": (str(awq), None, BF16), "gguf_q4_1": (gguf, None, BF16),
+            "q4_1_fp32": (gguf, None, (torch.float32, None)),
+            "q4_1_fp32_bf16k": (gguf, None, (torch.float32, torch.bfloat16))}
 
 
 def decode_tok_s(runner: ModelRunner, batch: int) -> float:
@@ -62,9 +72,9 @@ def decode_tok_s(runner: ModelRunner, batch: int) -> float:
     return batch * DECODE_STEPS / elapsed
 
 
-def load(path: str, quantize: str | None) -> tuple[ModelRunner, int]:
-    """(warmed-up runner, weight bytes) of one variant, bf16 activations."""
-    config, weights = open_checkpoint(resolve_model(path), torch.bfloat16, torch.device("cpu"), quantize)
+def load(path: str, quantize: str | None, dtypes: tuple[torch.dtype, torch.dtype | None]) -> tuple[ModelRunner, int]:
+    """(warmed-up runner, weight bytes) of one variant."""
+    config, weights = open_checkpoint(resolve_model(path), dtypes[0], torch.device("cpu"), quantize, dtypes[1])
     loaded = load_model(config, weights, TensorParallel())
     runner = ModelRunner(loaded, BLOCK, None, 256 << 20, None)
     runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=max(BATCHES) * PROMPT_TOKENS,
@@ -76,7 +86,7 @@ def load(path: str, quantize: str | None) -> tuple[ModelRunner, int]:
 
 def run() -> dict:
     torch.set_num_threads(THREADS)
-    runners = {name: load(path, quantize) for name, (path, quantize) in checkpoints().items()}
+    runners = {name: load(*variant) for name, variant in checkpoints().items()}
     results = {name: {"weight_mib": round(size / 2 ** 20, 1)} for name, (_, size) in runners.items()}
     # Rounds interleave the variants, so that a burst of load from other
     # processes on this shared machine does not land on one variant only.
@@ -85,15 +95,18 @@ def run() -> dict:
             for batch in BATCHES:
                 key = f"b{batch}_tok_s"
                 results[name][key] = round(max(results[name].get(key, 0.0), decode_tok_s(runner, batch)), 1)
-    print(f"\nQuantization benchmark: SmolLM2-135M, bf16 activations, {THREADS} threads, "
+    print(f"\nQuantization benchmark: SmolLM2-135M, bf16 activations (the q4_1_fp32 rows: float32; "
+          f"bf16k: the int4 kernel fed bf16), {THREADS} threads, "
           f"{PROMPT_TOKENS}-token prompts, {DECODE_STEPS} decode steps")
-    print(f"{'':<12}{'weights MiB':>12}" + "".join(f"{f'b{b} tok/s':>12}" for b in BATCHES))
+    print(f"{'':<16}{'weights MiB':>12}" + "".join(f"{f'b{b} tok/s':>12}" for b in BATCHES))
     for name, r in results.items():
-        print(f"{name:<12}{r['weight_mib']:>12}" + "".join(f"{r[f'b{b}_tok_s']:>12}" for b in BATCHES))
+        print(f"{name:<16}{r['weight_mib']:>12}" + "".join(f"{r[f'b{b}_tok_s']:>12}" for b in BATCHES))
     out = {f"quant_{name}_{key}": value for name, r in results.items() for key, value in r.items()}
     base = results["bf16"]["b1_tok_s"]
     out["int4_b1_vs_bf16"] = round(results["gptq_4bit"]["b1_tok_s"] / base, 2)
     out["awq_b1_vs_bf16"] = round(results["awq_4bit"]["b1_tok_s"] / base, 2)
     out["gguf_q4_1_b1_vs_bf16"] = round(results["gguf_q4_1"]["b1_tok_s"] / base, 2)
     out["eetq_b1_vs_bf16"] = round(results["eetq"]["b1_tok_s"] / base, 2)
+    out["fp32_bf16_kernels_b1_vs_exact"] = round(results["q4_1_fp32_bf16k"]["b1_tok_s"]
+                                                 / results["q4_1_fp32"]["b1_tok_s"], 2)
     return out

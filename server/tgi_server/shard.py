@@ -14,7 +14,7 @@ from tgi_proto import pb
 from .config import ShardConfig
 from .distributed import TensorParallel
 from .grammar import GrammarCompiler
-from .model_loader import DTYPES, default_dtype, load_model, open_checkpoint
+from .model_loader import DTYPES, default_dtype, default_quant_kernel_dtype, load_model, open_checkpoint
 from .model_runner import ModelRunner
 from .quant import kernel_counts
 from .service import serve
@@ -48,10 +48,11 @@ def load_shard(config: ShardConfig) -> tuple[ModelRunner, pb.InfoResponse]:
         torch.set_num_threads(config.num_threads)
     device = pick_device(config.device, config.rank)
     dtype = DTYPES[config.dtype] if config.dtype else default_dtype(device)
+    kernel_dtype = None if config.dtype else default_quant_kernel_dtype(device, dtype)
     source = resolve_model(config.model_id, config.revision)
     log.info("loading %s (%s) as %s on %s", source.model_id, source.path, str(dtype).removeprefix("torch."), device)
     start = time.perf_counter()
-    c, weights = open_checkpoint(source, dtype, device, config.quantize)
+    c, weights = open_checkpoint(source, dtype, device, config.quantize, kernel_dtype)
     c.check_tensor_parallel(config.world_size)
     tp = TensorParallel.connect(config.rank, config.world_size, config.master_addr, config.master_port, device)
     loaded = load_model(c, weights, tp)
@@ -68,7 +69,8 @@ def load_shard(config: ShardConfig) -> tuple[ModelRunner, pb.InfoResponse]:
              heads.num_heads, c.num_heads, heads.num_kv_heads, c.num_kv_heads,
              loaded.weight_bytes / 2**20, loaded.weight_bytes)
     if kernels := kernel_counts(loaded.model):
-        log.info("quantized linears by kernel: %s", ", ".join(f"{n} {name}" for name, n in sorted(kernels.items())))
+        log.info("quantized linears by kernel: %s%s", ", ".join(f"{n} {name}" for name, n in sorted(kernels.items())),
+                 f" (activations in {str(kernel_dtype).removeprefix('torch.')})" if kernel_dtype else "")
     info = pb.InfoResponse(
         model_id=source.model_id, model_type=c.model_type, dtype=str(dtype).removeprefix("torch."),
         device=str(device), block_size=config.block_size, max_position_embeddings=c.max_position_embeddings,

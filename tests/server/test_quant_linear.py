@@ -1,6 +1,10 @@
 """QuantLinear and the checkpoint encodings: every kernel computes what the
 dequantized weight computes, and each format's packing reads back exactly."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +15,7 @@ from tgi_server.quant import QuantLinear, QuantizedMatrix, quantize_rtn
 from tgi_server.quant.gguf_linear import decode_q4
 from tgi_server.quant.packing import awq_pack, awq_unpack, pack, unpack
 from tgi_server.quant import quant_linear
-from tgi_server.quant.quant_linear import INT4_KERNEL_MAX_ROWS, unpack_int4pack
+from tgi_server.quant.quant_linear import INT4_KERNEL_MAX_ROWS
 from tgi_server.quant.quantizer.export import awq_tensors, gptq_tensors
 from tgi_server.quant.quantizer.gptq_solver import gptq_quantize
 
@@ -82,15 +86,58 @@ def test_int4_prefill_rows_unpack_to_one_dense_gemm_equal_to_the_kernel(dtype, t
         assert rel_err(kernel_only(x).float(), y) < tolerance
 
 
-def test_int4_layout_unpacks_to_the_values_packed():
-    q = torch.randint(0, 16, (192, 96), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    assert torch.equal(unpack_int4pack(packed, 192, 96), q.to(torch.uint8))
+# Run in a fresh process: ATEN_CPU_CAPABILITY is read once, at the first dispatch.
+UNPACK_CHECK = """
+import torch
+from tgi_server.quant import QuantLinear, quantize_rtn
+from tgi_server.quant.quant_linear import unpack_int4pack
+q = torch.randint(0, 16, (192, 96), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
+packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+layer = QuantLinear(quantize_rtn(torch.randn(192, 128), 4, 32, symmetric=False), None, torch.float32,
+                    torch.device("cpu"))
+x = torch.randn(9, 128)
+with torch.inference_mode():
+    dense = layer(x)
+    layer.int4_max_rows = None
+    kernel = layer(x)
+print(torch.backends.cpu.get_cpu_capability(), layer.unpack_block,
+      torch.equal(unpack_int4pack(packed, 192, 96, layer.unpack_block), q.to(torch.uint8)),
+      float((dense - kernel).abs().max() / kernel.abs().max()))
+"""
+
+
+@pytest.mark.parametrize("capability", ["avx512", "avx2"])
+def test_int4_layout_unpacks_to_the_values_packed_under_each_dispatch(capability):
+    """torch packs rows in blocks of 64 under AVX512 dispatch and of 32 under
+    AVX2: the layer finds which, and its dense path computes what the kernel does."""
+    out = subprocess.run([sys.executable, "-c", UNPACK_CHECK], env={**os.environ, "ATEN_CPU_CAPABILITY": capability},
+                         capture_output=True, text=True, check=True).stdout.split()
+    got, block, round_trip, err = out[0], int(out[1]), out[2], float(out[3])
+    if got.lower() != capability:
+        pytest.skip(f"this CPU dispatches {got}, not {capability}")
+    assert block == {"avx512": 64, "avx2": 32}[capability] and round_trip == "True" and err < 1e-5
 
 
 def test_int4_rows_not_in_blocks_of_64_keep_the_kernel_at_every_size():
     layer, y, ref = run(quantize_rtn(random_weight(48), 4, 32, symmetric=False), t=40)
     assert layer.kernel == "int4" and layer.int4_max_rows is None and rel_err(y, ref) < 1e-5
+
+
+@pytest.mark.parametrize("bits, group_size, rows", [(4, 32, 1), (4, 32, 5), (4, 32, 200), (8, -1, 1), (8, -1, 5)])
+def test_float32_activations_run_the_kernels_in_bfloat16_when_asked(bits, group_size, rows):
+    """kernel_dtype bf16 (the shard's default for a float32 model): x enters
+    the packed kernel as bf16 and the output comes back as float32; past
+    INT4_KERNEL_MAX_ROWS[bf16] rows the dense GEMM runs in float32."""
+    m = quantize_rtn(random_weight(128, 256), bits, group_size, symmetric=False)
+    layer = QuantLinear(m, None, torch.float32, CPU, kernel_dtype=torch.bfloat16)
+    assert layer.kernel == ("int4" if bits == 4 else "int8")
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        y = layer(x)
+    assert y.dtype == torch.float32
+    # The reference sees what the kernel sees: x and the weight's scales rounded to bf16.
+    assert rel_err(y, x.bfloat16().float() @ m.dequantize().T) < 2e-2
+    assert (layer.scale_zeros if bits == 4 else layer.scale8).dtype == torch.bfloat16
 
 
 def test_symmetric_int8_per_row_runs_on_the_int8_kernel():

@@ -13,10 +13,13 @@ import transformers
 
 from tgi_proto import pb
 from tgi_server.cli import main as server_cli
+from tgi_server import model_loader
+from tgi_server.config import ShardConfig
 from tgi_server.distributed import TensorParallel
 from tgi_server.model_loader import load_model, open_checkpoint
 from tgi_server.model_runner import ModelRunner
 from tgi_server.quant import QuantLinear, quantize_rtn
+from tgi_server.shard import load_shard
 from tgi_server.weights.errors import CheckpointError
 from tgi_server.weights.gguf import load_gguf
 from tgi_server.weights.resolve import resolve_model
@@ -101,6 +104,29 @@ def test_logits_equal_the_dequantized_reference(quantized):
     runner, reference = runner_for(path), dequantized_reference(path)
     for prompt in PROMPTS:
         assert (engine_logits(runner, prompt) - hf_logits(reference, prompt)).abs().max() < 1e-4
+
+
+def test_without_dtype_a_cpu_lacking_bf16_feeds_its_quantized_kernels_bf16(quantized, tmp_path, monkeypatch):
+    """The shard's default there: a float32 model whose int4/int8 kernels take
+    bf16 (torch vectorizes them for bf16 only); --dtype float32 stays exact."""
+    _, path = quantized
+    monkeypatch.setattr(model_loader, "_cpu_has_bf16", lambda: False)
+    reference = dequantized_reference(path)
+
+    def shard(dtype: str | None) -> tuple[ModelRunner, list[QuantLinear]]:
+        runner, info = load_shard(ShardConfig(
+            model_id=str(path), revision=None, uds_path=str(tmp_path / "s"), dtype=dtype, device="cpu",
+            block_size=16, kv_cache_bytes=16 << 20, attention_backend=None, num_threads=0))
+        runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_batch_size=4))
+        assert info.dtype == "float32"
+        return runner, [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
+
+    for dtype, kernel_dtype, tolerance in [(None, torch.bfloat16, 2e-2), ("float32", torch.float32, 1e-5)]:
+        runner, layers = shard(dtype)
+        assert {(m.scale_zeros if m.kernel == "int4" else m.scale8).dtype for m in layers} == {kernel_dtype}
+        for prompt in PROMPTS:
+            ours = engine_logits(runner, prompt)
+            assert ours.dtype == torch.float32 and relative_error(ours, hf_logits(reference, prompt)) < tolerance
 
 
 @pytest.mark.gpu

@@ -25,8 +25,10 @@ PACK_BATCH_HINT = 32
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:
+    # oneDNN packs bf16 only on CPUs with AVX512-BW/VL/DQ or AVX-NE-CONVERT (it raises elsewhere).
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class Linear(nn.Module):
@@ -91,6 +93,7 @@ def _build(weights: TensorSource, parts: list[QuantizedMatrix | torch.Tensor], b
     when all are quantized; a dense Linear when some block type has no
     quantized kernel (those quantized are then dequantized with it)."""
     if all(isinstance(p, QuantizedMatrix) for p in parts):
-        return QuantLinear(stack_rows(parts), bias, weights.dtype, weights.device, reduce)
+        return QuantLinear(stack_rows(parts), bias, weights.dtype, weights.device, reduce,
+                           weights.quant_kernel_dtype)
     dense = [p.dequantize(weights.dtype).to(weights.device) if isinstance(p, QuantizedMatrix) else p for p in parts]
     return Linear(_cat(dense), bias, reduce)

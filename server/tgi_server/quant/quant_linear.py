@@ -11,6 +11,10 @@ On CPU, chosen once at load:
   same packed bytes into a dense matrix for one oneDNN GEMM instead.
 - "int8": 8-bit values with one group per row: `_weight_int8pack_mm`
   (w = q_int8 * scale); an asymmetric row adds sum(x) * its constant.
+  Also vectorized for bf16 only.
+`kernel_dtype` bfloat16 with float32 activations feeds both kernels bf16
+(x rounded to bf16, scales and output too): what the shard does in float32
+unless --dtype float32 was asked for (shard.py), 8-20x faster per GEMM.
 
 On CUDA, "triton": 4- and 8-bit weights of any grouping (act-order too) in
 our Triton kernel (tgi_kernels/triton/quant_matmul_kernel.py): dequantized
@@ -37,7 +41,8 @@ INT4_GROUP_SIZES = (256, 128, 64, 32)
 # to unpack and ~0.001 ms a row dense; fp32 int4 ~1 ms a row against ~1.9 ms to unpack
 # (1 thread: 1.8 / 3.8 / 9.4 ms at 1 / 2 / 4 rows against 4.2-5.5 ms unpacked).
 INT4_KERNEL_MAX_ROWS = {torch.bfloat16: 128, torch.float16: 1, torch.float32: 2}
-UNPACK_BLOCK = 64  # rows per block of the packed layout (see unpack_int4pack)
+# Rows per block of the packed layout, by the dispatch torch picked: AVX512 64, AVX2 32 (see unpack_int4pack).
+UNPACK_BLOCKS = (64, 32)
 # The activations the packed kernels (torch's on CPU, ours on CUDA) take; float64 dequantizes.
 PACKED_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -51,12 +56,13 @@ def serves_triton(device: torch.device) -> bool:
     return device.type == "cuda" and triton_kernels.is_available(device)
 
 
-def unpack_int4pack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def unpack_int4pack(packed: torch.Tensor, n: int, k: int, block: int) -> torch.Tensor:
     """packed [N, K/2] uint8 from `_convert_weight_to_int4pack_for_cpu(q, 1)` -> q [N, K] uint8.
-    That layout holds rows in blocks of 64: per block and input column, 32 bytes whose low
-    nibbles are the block's rows 0-31 and high nibbles rows 32-63. QuantLinear checks the
-    round trip at load, so a torch with another layout only loses the dense path."""
-    p = packed.view(n // UNPACK_BLOCK, k, UNPACK_BLOCK // 2)
+    That layout holds rows in blocks (64 rows under AVX512 dispatch, 32 under AVX2): per
+    block and input column, block/2 bytes whose low nibbles are the block's first half of
+    rows and high nibbles the second. QuantLinear checks the round trip at load, so a
+    torch with another layout only loses the dense path."""
+    p = packed.view(n // block, k, block // 2)
     return torch.cat([p & 15, p >> 4], dim=2).transpose(1, 2).reshape(n, k)
 
 
@@ -64,10 +70,13 @@ class QuantLinear(nn.Module):
     """A quantized Linear: x [T, in] -> [T, out] in x's dtype.
 
     reduce: the group over which y is summed (row-parallel, world size > 1).
-    `kernel` names the layout chosen ("int4" | "int8" | "dequant")."""
+    kernel_dtype: the activations' dtype inside torch's CPU kernels (None: dtype;
+    bfloat16 with float32 dtype trades exactness for speed, see above).
+    `kernel` names the layout chosen ("int4" | "int8" | "triton" | "dequant")."""
 
     def __init__(self, matrix: QuantizedMatrix, bias: torch.Tensor | None, dtype: torch.dtype,
-                 device: torch.device, reduce: TensorParallel | None = None):
+                 device: torch.device, reduce: TensorParallel | None = None,
+                 kernel_dtype: torch.dtype | None = None):
         super().__init__()
         self.out_features, self.in_features = matrix.shape
         self.bias = None if bias is None else _frozen(bias)
@@ -77,10 +86,10 @@ class QuantLinear(nn.Module):
         if dtype in PACKED_KERNEL_DTYPES and matrix.bits in (4, 8) and serves_triton(device):
             self._init_triton(matrix, device)
             self.kernel = "triton"
-        elif packed and self._init_int4(matrix, dtype):
+        elif packed and self._init_int4(matrix, kernel_dtype or dtype):
             self.kernel = "int4"
         elif packed and matrix.bits == 8 and matrix.scales.shape[1] == 1:
-            self._init_int8(matrix, dtype)
+            self._init_int8(matrix, kernel_dtype or dtype)
             self.kernel = "int8"
         else:
             self.q = _frozen(matrix.q.to(device))                               # [N, K] uint8
@@ -109,17 +118,18 @@ class QuantLinear(nn.Module):
         self.packed = _frozen(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))  # [N, K / 2] uint8
         self.scale_zeros = _frozen(torch.stack([scales, zeros], -1).transpose(0, 1).contiguous().to(dtype))  # [K/size, N, 2]
         self.group_size = size
-        unpacks = (self.out_features % UNPACK_BLOCK == 0
-                   and torch.equal(unpack_int4pack(self.packed, *q.shape), q.to(torch.uint8)))
-        self.int4_max_rows = INT4_KERNEL_MAX_ROWS[dtype] if unpacks else None  # None: the kernel at any size
+        self.unpack_block = next((b for b in UNPACK_BLOCKS if self.out_features % b == 0 and torch.equal(
+            unpack_int4pack(self.packed, *q.shape, b), q.to(torch.uint8))), None)
+        # None: the kernel at any size
+        self.int4_max_rows = None if self.unpack_block is None else INT4_KERNEL_MAX_ROWS[dtype]
         return True
 
-    def _dense_int4(self) -> torch.Tensor:
-        """The int4 layout's weight [N, K] (columns in kernel order) in the scales' dtype."""
+    def _dense_int4(self, dtype: torch.dtype) -> torch.Tensor:
+        """The int4 layout's weight [N, K] (columns in kernel order) in `dtype`."""
         n, k = self.out_features, self.in_features
-        q = unpack_int4pack(self.packed, n, k).view(n, k // self.group_size, self.group_size)
-        scale, zero = self.scale_zeros.permute(2, 1, 0).unsqueeze(-1)  # each [N, K/size, 1]
-        return ((q.to(scale.dtype) - 8) * scale + zero).view(n, k)
+        q = unpack_int4pack(self.packed, n, k, self.unpack_block).view(n, k // self.group_size, self.group_size)
+        scale, zero = self.scale_zeros.to(dtype).permute(2, 1, 0).unsqueeze(-1)  # each [N, K/size, 1]
+        return ((q.to(dtype) - 8) * scale + zero).view(n, k)
 
     def _init_triton(self, m: QuantizedMatrix, device: torch.device) -> None:
         self.triton_weight = pack_quantized(m.q.to(device), m.scales.to(device), m.offsets.to(device),
@@ -143,17 +153,19 @@ class QuantLinear(nn.Module):
         elif self.kernel == "int4":
             xs = x if self.perm is None else x.index_select(-1, self.perm)
             if self.int4_max_rows is not None and xs.numel() > self.int4_max_rows * self.in_features:
-                y = F.linear(xs, self._dense_int4())
+                y = F.linear(xs, self._dense_int4(x.dtype))
             else:
-                y = torch.ops.aten._weight_int4pack_mm_for_cpu(xs.contiguous(), self.packed, self.group_size,
-                                                               self.scale_zeros)
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    xs.to(self.scale_zeros.dtype).contiguous(), self.packed, self.group_size, self.scale_zeros)
         elif self.kernel == "int8":
-            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q8, self.scale8)
+            xs = x.to(self.scale8.dtype)
+            y = torch.ops.aten._weight_int8pack_mm(xs.contiguous(), self.q8, self.scale8)
             if self.row_constant is not None:
-                y = y + x.sum(-1, keepdim=True) * self.row_constant
+                y = y + xs.sum(-1, keepdim=True) * self.row_constant
         else:
             w = self.q.to(x.dtype) * self.scales[:, self.group] + self.offsets[:, self.group]  # [N, K]
             y = F.linear(x, w)
+        y = y.to(x.dtype)  # a no-op unless kernel_dtype differs
         if self.bias is not None:
             y = y + self.bias
         return y if self.reduce is None else self.reduce.all_reduce_sum(y)

@@ -24,6 +24,7 @@ class TensorSource(Protocol):
     dtype: torch.dtype
     device: torch.device
     linear_format: LinearFormat | None  # how linear layers load; None: dense `.weight` tensors
+    quant_kernel_dtype: torch.dtype | None  # activations inside quantized CPU kernels; None: dtype
 
     def has(self, name: str) -> bool: ...
 
@@ -49,6 +50,7 @@ class SafetensorsSource:
     def __init__(self, directory: Path, dtype: torch.dtype, device: torch.device):
         self.dtype, self.device = dtype, device
         self.linear_format = None
+        self.quant_kernel_dtype = None
         self._file_of: dict[str, Path] = {}
         files = sorted(directory.glob("*.safetensors"))
         index = directory / "model.safetensors.index.json"
@@ -103,6 +105,7 @@ class GGUFSource:
     def __init__(self, file: GGUFFile, dtype: torch.dtype, device: torch.device):
         self.dtype, self.device = dtype, device
         self.linear_format = None
+        self.quant_kernel_dtype = None
         self._file = file
         self._names = set(file.names)
 
