@@ -15,7 +15,7 @@ from tgi_server.quant import QuantLinear, QuantizedMatrix, quantize_rtn
 from tgi_server.quant.gguf_linear import decode_q4
 from tgi_server.quant.packing import awq_pack, awq_unpack, pack, unpack
 from tgi_server.quant import quant_linear
-from tgi_server.quant.quant_linear import INT4_KERNEL_MAX_ROWS
+from tgi_server.quant.quant_linear import INT4_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS
 from tgi_server.quant.quantizer.export import awq_tensors, gptq_tensors
 from tgi_server.quant.quantizer.gptq_solver import gptq_quantize
 
@@ -140,14 +140,22 @@ def test_float32_activations_run_the_kernels_in_bfloat16_when_asked(bits, group_
     assert (layer.scale_zeros if bits == 4 else layer.scale8).dtype == torch.bfloat16
 
 
-def test_symmetric_int8_per_row_runs_on_the_int8_kernel():
-    layer, y, ref = run(quantize_rtn(random_weight(), 8, -1, symmetric=True))
-    assert layer.kernel == "int8" and layer.row_constant is None and rel_err(y, ref) < 1e-5
+# (dtype, rows, tolerance): bf16 up to INT8_KERNEL_MAX_ROWS rows runs `_weight_int8pack_mm`;
+# more rows, and fp32 at any size, dequantize the same int8 values into one dense GEMM.
+INT8_CASES = [(torch.float32, 5, 1e-5), (torch.bfloat16, 5, 2e-2),
+              (torch.bfloat16, INT8_KERNEL_MAX_ROWS[torch.bfloat16] + 3, 2e-2)]
 
 
-def test_asymmetric_int8_per_row_adds_the_row_constant():
-    layer, y, ref = run(quantize_rtn(random_weight() + 0.5, 8, -1, symmetric=False))
-    assert layer.kernel == "int8" and layer.row_constant is not None and rel_err(y, ref) < 1e-5
+@pytest.mark.parametrize("dtype, rows, tolerance", INT8_CASES)
+def test_symmetric_int8_per_row_runs_on_the_int8_layout(dtype, rows, tolerance):
+    layer, y, ref = run(quantize_rtn(random_weight(), 8, -1, symmetric=True), dtype, t=rows)
+    assert layer.kernel == "int8" and layer.row_constant is None and rel_err(y, ref) < tolerance
+
+
+@pytest.mark.parametrize("dtype, rows, tolerance", INT8_CASES)
+def test_asymmetric_int8_per_row_adds_the_row_constant(dtype, rows, tolerance):
+    layer, y, ref = run(quantize_rtn(random_weight() + 0.5, 8, -1, symmetric=False), dtype, t=rows)
+    assert layer.kernel == "int8" and layer.row_constant is not None and rel_err(y, ref) < tolerance
 
 
 @pytest.mark.parametrize("bits, group_size, n", [(8, 32, 48), (4, 32, 40)], ids=["int8-groups", "n-not-16x"])

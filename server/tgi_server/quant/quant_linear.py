@@ -11,7 +11,8 @@ On CPU, chosen once at load:
   same packed bytes into a dense matrix for one oneDNN GEMM instead.
 - "int8": 8-bit values with one group per row: `_weight_int8pack_mm`
   (w = q_int8 * scale); an asymmetric row adds sum(x) * its constant.
-  Also vectorized for bf16 only.
+  Also vectorized for bf16 only, and even there slower than dequantizing
+  into a dense GEMM past INT8_KERNEL_MAX_ROWS rows (in fp32/fp16 at any size).
 `kernel_dtype` bfloat16 with float32 activations feeds both kernels bf16
 (x rounded to bf16, scales and output too): what the shard does in float32
 unless --dtype float32 was asked for (shard.py), 8-20x faster per GEMM.
@@ -41,6 +42,10 @@ INT4_GROUP_SIZES = (256, 128, 64, 32)
 # to unpack and ~0.001 ms a row dense; fp32 int4 ~1 ms a row against ~1.9 ms to unpack
 # (1 thread: 1.8 / 3.8 / 9.4 ms at 1 / 2 / 4 rows against 4.2-5.5 ms unpacked).
 INT4_KERNEL_MAX_ROWS = {torch.bfloat16: 128, torch.float16: 1, torch.float32: 2}
+# Rows up to which `_weight_int8pack_mm` beats dequantize + dense GEMM, measured on this CPU at
+# [1536, 576], 2 threads: bf16 0.05 / 0.17 / 0.72 / 2.6 ms at 1 / 8 / 32 / 128 rows against
+# 0.6 / 0.6 / 0.57 / 1.1 ms dense; fp32 0.82 / 28 ms at 1 / 32 rows against 0.45 / 3.2 ms.
+INT8_KERNEL_MAX_ROWS = {torch.bfloat16: 24, torch.float16: 0, torch.float32: 0}
 # Rows per block of the packed layout, by the dispatch torch picked: AVX512 64, AVX2 32 (see unpack_int4pack).
 UNPACK_BLOCKS = (64, 32)
 # The activations the packed kernels (torch's on CPU, ours on CUDA) take; float64 dequantizes.
@@ -146,6 +151,7 @@ class QuantLinear(nn.Module):
         # w = (q - 128) * s + (offset + 128 s): the second term is one constant per row.
         constant = offsets + 128 * scales
         self.row_constant = None if bool((constant.abs() <= 1e-6 * scales).all()) else _frozen(constant.to(dtype))
+        self.int8_max_rows = INT8_KERNEL_MAX_ROWS[dtype]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "triton":
@@ -157,6 +163,9 @@ class QuantLinear(nn.Module):
             else:
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                     xs.to(self.scale_zeros.dtype).contiguous(), self.packed, self.group_size, self.scale_zeros)
+        elif self.kernel == "int8" and x.numel() > self.int8_max_rows * self.in_features:
+            w = self.q8.to(x.dtype) * self.scale8.to(x.dtype)[:, None]  # [N, K]
+            y = F.linear(x, w if self.row_constant is None else w + self.row_constant.to(x.dtype)[:, None])
         elif self.kernel == "int8":
             xs = x.to(self.scale8.dtype)
             y = torch.ops.aten._weight_int8pack_mm(xs.contiguous(), self.q8, self.scale8)
