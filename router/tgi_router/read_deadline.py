@@ -17,9 +17,9 @@ import json
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["ReadDeadlineProtocol", "REQUEST_TIMEOUT_BODY"]
+__all__ = ["ReadDeadlineProtocol"]
 
-REQUEST_TIMEOUT_BODY = json.dumps({"error": "Request was not received in time", "error_type": "timeout"}).encode()
+_TIMEOUT_BODY = json.dumps({"error": "Request was not received in time", "error_type": "timeout"}).encode()
 
 
 class ReadDeadlineProtocol(H11Protocol):
@@ -75,5 +75,5 @@ class ReadDeadlineProtocol(H11Protocol):
         if self._started and (self.cycle is None or self.cycle.response_complete):  # no route has it yet
             self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
                                  b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
-                                 % (len(REQUEST_TIMEOUT_BODY), REQUEST_TIMEOUT_BODY))
+                                 % (len(_TIMEOUT_BODY), _TIMEOUT_BODY))
         self.transport.close()

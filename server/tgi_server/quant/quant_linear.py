@@ -15,7 +15,7 @@ On CPU, chosen once at load:
   into a dense GEMM past INT8_KERNEL_MAX_ROWS rows (in fp32/fp16 at any size).
 `kernel_dtype` bfloat16 with float32 activations feeds both kernels bf16
 (x rounded to bf16, scales and output too): what the shard does in float32
-unless --dtype float32 was asked for (shard.py), 8-20x faster per GEMM.
+unless --dtype float32 was asked for (shard.py), 10-20x faster per GEMM.
 
 On CUDA, "triton": 4- and 8-bit weights of any grouping (act-order too) in
 our Triton kernel (tgi_kernels/triton/quant_matmul_kernel.py): dequantized
