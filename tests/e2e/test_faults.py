@@ -19,6 +19,7 @@ import pytest
 from benchmarks.overload import metric
 from tgi_router.engine import Engine
 
+from ..router.test_read_deadline import request
 from ..shard_harness import save_tiny_served_model
 from .router_harness import RunningServer, launch
 
@@ -174,8 +175,8 @@ def test_slow_clients_are_cut_off_at_the_read_deadline_and_hold_nothing(model):
     proc, url = launch(path, tmp / "slowloris", "--request-read-timeout", "1")
     port = int(url.rsplit(":", 1)[1])
     body = b'{"inputs": "Hello", "parameters": {"max_new_tokens": 4}}'
-    head = b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
-    partial = [b"", head[:30], head + body[:10]]  # nothing, half the headers, half the body
+    whole = request("/generate", body)
+    partial = [b"", whole[:30], whole[:len(whole) - len(body) + 10]]  # nothing, part of the headers, of the body
     try:
         sockets = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(40)]
         start = time.monotonic()

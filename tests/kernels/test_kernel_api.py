@@ -1,10 +1,13 @@
 """store_kv, backend selection and the metadata builders."""
 
+import inspect
+
 import pytest
 import torch
 
 import tgi_kernels
 from tgi_kernels import available_backends, build_prefill_meta, select_backend, store_kv
+from tgi_kernels.attention import BACKENDS, AttentionBackend
 
 CPU = torch.device("cpu")
 
@@ -90,12 +93,8 @@ def test_cuda_default_prefers_flash_attn_then_triton_then_sdpa(monkeypatch, flas
     assert select_backend(torch.device("cuda")) == expected
 
 
-@pytest.mark.parametrize("name", sorted(tgi_kernels.attention.BACKENDS))
+@pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_every_backend_module_has_the_protocol_s_signatures(name):
-    import inspect
-
-    from tgi_kernels.attention import BACKENDS, AttentionBackend
-
     module = BACKENDS[name]
     for function in ("paged_decode", "varlen_prefill"):
         want = list(inspect.signature(getattr(AttentionBackend, function)).parameters)[1:]  # without self
