@@ -1,9 +1,12 @@
 """Engine benchmark: the shard over gRPC against transformers `generate`.
 
-SmolLM2-135M-Instruct in bf16 on 2 threads. The shard runs in its own
-process (as in production) and is driven by the router's scheduler; the
-baseline runs `generate` one request at a time (and, for reference, as one
-static batch of 32) in this process while the shard idles. Throughput is
+SmolLM2-135M-Instruct (its GGUF file, as the server's default) on 2
+threads, in the dtype the shard chooses on this CPU (bf16 where the CPU
+computes it natively, float32 elsewhere: machine.serving_dtype). The shard
+runs in its own process (as in production), started without --dtype, and is
+driven by the router's scheduler; the baseline runs `generate` on the
+dequantized file in the same dtype, one request at a time (and, for
+reference, as one static batch of 32) in this process while the shard idles. Throughput is
 generated tokens over wall time. The ratio keys compare the engine's decode
 throughput (steps in which no prompt is prefilling) with `generate` one
 request at a time (its 128-token prefill is ~2% of its time); the `_e2e_`
@@ -27,6 +30,8 @@ from tgi_router.client import ShardClient
 from tgi_router.engine import Engine
 from tgi_router.scheduler import Scheduler
 from tgi_router.sequence import Sequence, StoppingCriteria
+
+from .machine import dtype_name, serving_dtype
 
 THREADS = 2
 PROMPT_TOKENS = 128
@@ -124,10 +129,11 @@ async def engine_throughput(client: ShardClient, warm: pb.WarmupResponse,
 
 
 def start_shard(model_path: Path, socket_dir: str) -> subprocess.Popen:
+    """The shard in its own process, in the dtype it chooses itself (serving_dtype)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(THREADS))
     return subprocess.Popen(
         [sys.executable, "-m", "tgi_server.cli", "serve", str(model_path), "--uds-path",
-         f"{socket_dir}/shard", "--dtype", "bfloat16", "--num-threads", str(THREADS)], env=env)
+         f"{socket_dir}/shard", "--num-threads", str(THREADS)], env=env)
 
 
 async def drive(socket: str, prompts: list[list[int]]) -> dict[int, tuple[float, float]]:
@@ -147,7 +153,7 @@ async def drive(socket: str, prompts: list[list[int]]) -> dict[int, tuple[float,
 
 def run() -> dict:
     torch.set_num_threads(THREADS)
-    model, tokenizer, path = hf_model(torch.bfloat16)
+    model, tokenizer, path = hf_model(serving_dtype())
     prompts = make_prompts(tokenizer, max(BATCHES))
     hf_throughput(model, prompts[:1])  # warm up
     hf_b1 = max(hf_throughput(model, [p]) for p in prompts[:HF_SEQUENTIAL_PROMPTS])
@@ -160,7 +166,7 @@ def run() -> dict:
         finally:
             shard.terminate()
             shard.wait(30)
-    print(f"\nEngine benchmark: SmolLM2-135M bf16, {THREADS} threads, prompts {PROMPT_TOKENS} tokens, "
+    print(f"\nEngine benchmark: SmolLM2-135M {dtype_name(serving_dtype())}, {THREADS} threads, prompts {PROMPT_TOKENS} tokens, "
           f"{NEW_TOKENS} new tokens")
     print(f"{'':<28}{'tok/s':>10}{'decode tok/s':>14}{'decode vs HF seq':>18}")
     print(f"{'transformers, sequential':<28}{hf_b1:>10.1f}{'':>14}{1.0:>18.2f}")

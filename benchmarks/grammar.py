@@ -1,6 +1,7 @@
 """Grammar benchmark: what constrained decoding costs at batch 8.
 
-SmolLM2-135M-Instruct in bf16 on 2 threads, the shard in its own process
+SmolLM2-135M-Instruct on 2 threads, in the dtype the shard chooses on this
+CPU (machine.serving_dtype), the shard in its own process
 driven by the router's engine (as in production). Eight chat prompts ask
 for JSON; they run once unconstrained and once under a JSON Schema (an
 array of at least 10 objects, so every sequence stays in the grammar for
@@ -25,7 +26,11 @@ from tgi_router.grammar import json_grammar
 from tgi_router.scheduler import Scheduler
 from tgi_router.sequence import Sequence, StoppingCriteria
 
-from .engine import THREADS, hf_model, start_shard
+from tgi_server.weights.gguf import load_gguf_tokenizer
+from tgi_server.weights.resolve import default_model_path
+
+from .engine import THREADS, start_shard
+from .machine import dtype_name, serving_dtype
 
 BATCH = 8
 NEW_TOKENS = 160
@@ -90,8 +95,8 @@ async def drive(socket: str, ids: list[list[int]], eos: frozenset[int]) -> dict:
 
 def run() -> dict:
     torch.set_num_threads(THREADS)
-    model, tokenizer, path = hf_model(torch.bfloat16)
-    del model
+    path = default_model_path()
+    tokenizer = load_gguf_tokenizer(path)
     ids = prompts(tokenizer)
     eos = frozenset([tokenizer.eos_token_id])
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,7 +108,7 @@ def run() -> dict:
             shard.wait(30)
     (free, free_steps), (constrained, constrained_steps) = r["free"], r["constrained"]
     ratio = constrained / free
-    print(f"\nGrammar benchmark: SmolLM2-135M bf16, {THREADS} threads, batch {BATCH}, "
+    print(f"\nGrammar benchmark: SmolLM2-135M {dtype_name(serving_dtype())}, {THREADS} threads, batch {BATCH}, "
           f"JSON Schema {json.dumps(SCHEMA)[:60]}...")
     print(f"{'':<28}{'tok/s (b8 decode)':>20}{'steps':>8}{'vs free':>10}")
     print(f"{'unconstrained':<28}{free:>20.1f}{free_steps:>8}{1.0:>10.2f}")

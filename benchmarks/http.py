@@ -1,6 +1,7 @@
 """HTTP load benchmark: N streaming requests at concurrency C against the
-real launcher (SmolLM2, bf16, 2 threads), with the transformers
-one-at-a-time baseline and the engine's own batch-1 speed (shard over gRPC,
+real launcher (SmolLM2, 2 threads, started without --dtype: the dtype the
+shard chooses on this CPU), with the transformers
+one-at-a-time baseline (in that dtype) and the engine's own batch-1 speed (shard over gRPC,
 no router) measured in the same run."""
 
 import asyncio
@@ -16,6 +17,7 @@ import httpx
 import torch
 
 from . import engine as engine_bench
+from .machine import dtype_name, serving_dtype
 
 LOADS = ((1, 4), (32, 64))  # (concurrency, requests)
 
@@ -67,7 +69,7 @@ def _launch(port: int, tmp: str) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS=str(engine_bench.THREADS))
     return subprocess.Popen(
         [sys.executable, "-m", "tgi_router.launcher", "--port", str(port), "--hostname", "127.0.0.1",
-         "--shard-uds-path", f"{tmp}/shard", "--dtype", "bfloat16", "--num-threads", str(engine_bench.THREADS),
+         "--shard-uds-path", f"{tmp}/shard", "--num-threads", str(engine_bench.THREADS),
          "--kv-cache-bytes", str(1 << 30), "--max-concurrent-requests", "256"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -86,7 +88,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> Non
 
 def run() -> dict:
     torch.set_num_threads(engine_bench.THREADS)
-    model, tokenizer, path = engine_bench.hf_model(torch.bfloat16)
+    model, tokenizer, path = engine_bench.hf_model(serving_dtype())
     prompt_ids = engine_bench.make_prompts(tokenizer, max(n for _, n in LOADS))
     prompts = [tokenizer.decode(p) for p in prompt_ids]
     engine_bench.hf_throughput(model, prompt_ids[:1])
@@ -112,7 +114,7 @@ def run() -> dict:
         finally:
             shard.terminate()
             shard.wait(30)
-    print(f"\nHTTP benchmark: SmolLM2-135M bf16, {engine_bench.THREADS} threads, prompts "
+    print(f"\nHTTP benchmark: SmolLM2-135M {dtype_name(serving_dtype())}, {engine_bench.THREADS} threads, prompts "
           f"{engine_bench.PROMPT_TOKENS} tokens, {engine_bench.NEW_TOKENS} new tokens, /generate_stream")
     print(f"{'':<26}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'errors':>8}")
     print(f"{'transformers, sequential':<26}{hf_b1:>8.1f}")

@@ -1,5 +1,5 @@
-"""Prefix caching and chunked prefill benchmark: SmolLM2-135M-Instruct in
-bf16 on 2 threads, the shard in its own process driven by the router's
+"""Prefix caching and chunked prefill benchmark: SmolLM2-135M-Instruct on 2
+threads, in the dtype the shard chooses on this CPU, the shard in its own process driven by the router's
 engine (as in production), both sides of each comparison in the same run.
 
 (a) Requests sharing a ~1,000-token system prompt, each with its own short
@@ -31,6 +31,7 @@ from tgi_router.sequence import Sequence, StoppingCriteria
 from tgi_router.tokenizer import RouterTokenizer
 
 from .engine import TEXT, THREADS, start_shard
+from .machine import dtype_name, serving_dtype
 
 SYSTEM_TOKENS = 1000
 QUESTIONS = ("What did the abacus do?", "Who built the first transistor?", "Why were punched cards used?",
@@ -153,7 +154,7 @@ def run() -> dict:
             shard.terminate()
             shard.wait(30)
     speedup = r["uncached"] / r["cached"]
-    print(f"\nPrefix caching and chunked prefill: SmolLM2-135M bf16, {THREADS} threads")
+    print(f"\nPrefix caching and chunked prefill: SmolLM2-135M {dtype_name(serving_dtype())}, {THREADS} threads")
     print(f"{'':<50}{'p50 ms':>9}{'p99 ms':>9}{'p99/p50':>9}{'max ms':>9}{'long TTFT ms':>14}")
     print(f"{f'TTFT, {SYSTEM_TOKENS}-token shared prefix, no caching':<50}{r['uncached'] * 1e3:>9.0f}")
     print(f"{f'TTFT, {SYSTEM_TOKENS}-token shared prefix, caching':<50}{r['cached'] * 1e3:>9.0f}"

@@ -1,18 +1,20 @@
-"""Quantization benchmark: SmolLM2-135M-Instruct served bf16, EETQ (int8),
+"""Quantization benchmark: SmolLM2-135M-Instruct served dense, EETQ (int8),
 GPTQ 4-bit, AWQ 4-bit and GGUF Q4_1, all in this process on 2 threads.
 
-Each variant is loaded by the shard's own loader (bf16 activations) and
-driven through ModelRunner.step, the call behind the gRPC Step: BATCH
-prompts of PROMPT_TOKENS tokens are prefilled, then DECODE_STEPS greedy
-decode steps are timed. Reported per variant: weight bytes held and decode
-tokens/s at batch 1 and 32 (best of REPEATS interleaved rounds: the machine is shared). The
-bf16 baseline is the GGUF file dequantized once and saved as safetensors.
-`int4_b1_vs_bf16` is GPTQ-4bit's batch-1 decode speed over bf16's.
-Two more variants run the GGUF file with float32 activations, as a CPU
-without bf16 serves it: exact (--dtype float32) and with the int4 kernel
-fed bf16 (the shard's default there); `fp32_bf16_kernels_b1_vs_exact`
-is the second's batch-1 speed over the first's.
-Quantized checkpoints are written once into CACHE (a few minutes each)."""
+Each variant is loaded by the shard's own loader as the shard loads it
+without --dtype on this CPU (machine.serving_dtype: bf16 where the CPU has
+it natively, else float32 with the quantized kernels fed bf16) and driven
+through ModelRunner.step, the call behind the gRPC Step: BATCH prompts of
+PROMPT_TOKENS tokens are prefilled, then DECODE_STEPS greedy decode steps
+are timed. Reported per variant: weight bytes held and decode tokens/s at
+batch 1 and 32 (best of REPEATS interleaved rounds: the machine is shared).
+The dense baseline is the GGUF file dequantized once and saved as
+safetensors. `int4_b1_vs_dense` is GPTQ-4bit's batch-1 decode speed over
+the dense model's. Two more variants run the GGUF file with float32
+activations, as a CPU without bf16 serves it: exact (--dtype float32) and
+with the int4 kernel fed bf16 (the shard's default there);
+`fp32_bf16_kernels_b1_vs_exact` is the second's batch-1 speed over the
+first's. Quantized checkpoints are written once into CACHE (a few minutes each)."""
 
 import tempfile
 import time
@@ -22,10 +24,12 @@ import torch
 
 from tgi_proto import pb
 from tgi_server.distributed import TensorParallel
-from tgi_server.model_loader import load_model, open_checkpoint
+from tgi_server.model_loader import default_quant_kernel_dtype, load_model, open_checkpoint
 from tgi_server.model_runner import ModelRunner
 from tgi_server.quant.quantizer import quantize_model, save_float_model
 from tgi_server.weights.resolve import default_model_path, resolve_model
+
+from .machine import CPU, dtype_name, serving_dtype
 
 THREADS = 2
 PROMPT_TOKENS = 32
@@ -36,11 +40,10 @@ BLOCK = 16
 CACHE = Path(tempfile.gettempdir()) / "tgi-py-bench-quant"
 
 
-BF16 = (torch.bfloat16, None)
-
-
 def checkpoints() -> dict[str, tuple[str, str | None, tuple[torch.dtype, torch.dtype | None]]]:
     """name -> (model path, --quantize, (dtype, quantized kernels' dtype)); quantizes what CACHE lacks."""
+    dtype = serving_dtype()
+    served = (dtype, default_quant_kernel_dtype(CPU, dtype))  # as the shard loads them without --dtype
     float_dir, gptq, awq = CACHE / "bf16", CACHE / "gptq-4bit", CACHE / "awq-4bit"
     if not (float_dir / "config.json").exists():
         save_float_model(None, float_dir)
@@ -49,8 +52,9 @@ def checkpoints() -> dict[str, tuple[str, str | None, tuple[torch.dtype, torch.d
     if not (awq / "config.json").exists():
         quantize_model(None, awq, "awq", group_size=32)
     gguf = str(default_model_path())
-    return {"bf16": (str(float_dir), None, BF16), "eetq": (str(float_dir), "eetq", BF16),
-            "gptq_4bit": (str(gptq), None, BF16), "awq_4bit": (str(awq), None, BF16), "gguf_q4_1": (gguf, None, BF16),
+    return {"dense": (str(float_dir), None, (dtype, None)), "eetq": (str(float_dir), "eetq", served),
+            "gptq_4bit": (str(gptq), None, served), "awq_4bit": (str(awq), None, served),
+            "gguf_q4_1": (gguf, None, served),
             "q4_1_fp32": (gguf, None, (torch.float32, None)),
             "q4_1_fp32_bf16k": (gguf, None, (torch.float32, torch.bfloat16))}
 
@@ -74,7 +78,7 @@ def decode_tok_s(runner: ModelRunner, batch: int) -> float:
 
 def load(path: str, quantize: str | None, dtypes: tuple[torch.dtype, torch.dtype | None]) -> tuple[ModelRunner, int]:
     """(warmed-up runner, weight bytes) of one variant."""
-    config, weights = open_checkpoint(resolve_model(path), dtypes[0], torch.device("cpu"), quantize, dtypes[1])
+    config, weights = open_checkpoint(resolve_model(path), dtypes[0], CPU, quantize, dtypes[1])
     loaded = load_model(config, weights, TensorParallel())
     runner = ModelRunner(loaded, BLOCK, None, 256 << 20, None)
     runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=max(BATCHES) * PROMPT_TOKENS,
@@ -95,18 +99,18 @@ def run() -> dict:
             for batch in BATCHES:
                 key = f"b{batch}_tok_s"
                 results[name][key] = round(max(results[name].get(key, 0.0), decode_tok_s(runner, batch)), 1)
-    print(f"\nQuantization benchmark: SmolLM2-135M, bf16 activations (the q4_1_fp32 rows: float32; "
+    print(f"\nQuantization benchmark: SmolLM2-135M, {dtype_name(serving_dtype())} (the q4_1_fp32 rows: float32; "
           f"bf16k: the int4 kernel fed bf16), {THREADS} threads, "
           f"{PROMPT_TOKENS}-token prompts, {DECODE_STEPS} decode steps")
     print(f"{'':<16}{'weights MiB':>12}" + "".join(f"{f'b{b} tok/s':>12}" for b in BATCHES))
     for name, r in results.items():
         print(f"{name:<16}{r['weight_mib']:>12}" + "".join(f"{r[f'b{b}_tok_s']:>12}" for b in BATCHES))
     out = {f"quant_{name}_{key}": value for name, r in results.items() for key, value in r.items()}
-    base = results["bf16"]["b1_tok_s"]
-    out["int4_b1_vs_bf16"] = round(results["gptq_4bit"]["b1_tok_s"] / base, 2)
-    out["awq_b1_vs_bf16"] = round(results["awq_4bit"]["b1_tok_s"] / base, 2)
-    out["gguf_q4_1_b1_vs_bf16"] = round(results["gguf_q4_1"]["b1_tok_s"] / base, 2)
-    out["eetq_b1_vs_bf16"] = round(results["eetq"]["b1_tok_s"] / base, 2)
+    base = results["dense"]["b1_tok_s"]
+    out["int4_b1_vs_dense"] = round(results["gptq_4bit"]["b1_tok_s"] / base, 2)
+    out["awq_b1_vs_dense"] = round(results["awq_4bit"]["b1_tok_s"] / base, 2)
+    out["gguf_q4_1_b1_vs_dense"] = round(results["gguf_q4_1"]["b1_tok_s"] / base, 2)
+    out["eetq_b1_vs_dense"] = round(results["eetq"]["b1_tok_s"] / base, 2)
     out["fp32_bf16_kernels_b1_vs_exact"] = round(results["q4_1_fp32_bf16k"]["b1_tok_s"]
                                                  / results["q4_1_fp32"]["b1_tok_s"], 2)
     return out

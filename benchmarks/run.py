@@ -1,8 +1,10 @@
 """`make bench [BENCH=name]`: runs benchmarks and ends with one JSON line
-merging every benchmark's keys."""
+merging every benchmark's keys with the machine's (CPU, serving dtype)."""
 
 import argparse
 import json
+
+from .machine import machine_facts
 
 BENCHES = ("engine", "http", "grammar", "prefix", "quant")
 
@@ -11,7 +13,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bench", default="all", choices=("all",) + BENCHES)
     args = parser.parse_args()
-    results: dict = {}
+    facts = machine_facts()
+    print("Machine: " + ", ".join(f"{k} {v}" for k, v in facts.items()), flush=True)
+    results: dict = dict(facts)
     for name in BENCHES if args.bench == "all" else (args.bench,):
         module = __import__(f"benchmarks.{name}", fromlist=["run"])
         results.update(module.run())

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from .config import ShardConfig
 
@@ -104,11 +105,22 @@ def main(argv: list[str] | None = None) -> None:
         runner, info = load_shard(config)
     except (CheckpointError, TensorParallelError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
+        _exit(1)
     try:
         asyncio.run(run_shard(runner, info, config.socket_path))
     except KeyboardInterrupt:
         pass
+    _exit(0)
+
+
+def _exit(code: int) -> NoReturn:
+    """Ends the shard process without the interpreter's teardown, which
+    spends ~0.7 s garbage-collecting torch's modules at every stop (a
+    launcher waits for its shards): what must outlive it is flushed first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _quantize(args: argparse.Namespace) -> None:

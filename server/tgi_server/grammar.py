@@ -15,7 +15,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import llguidance as llg
-import llguidance.torch as llg_torch
+# llguidance.numpy, not llguidance.torch: the latter decorates a function with
+# torch.compile at import, which imports dynamo and inductor (~1.6 s of every
+# shard's start) for a kernel this module does not use.
+import llguidance.numpy as llg_numpy
+import numpy as np
 import torch
 
 __all__ = ["GrammarCompiler", "GrammarError", "GrammarMask", "SequenceGrammar"]
@@ -145,11 +149,12 @@ class GrammarMask:
         # CPU row by row (~30 us a row for JSON Schema on a 49k vocabulary).
         # llguidance's parallel fill (LLExecutor) was slower here: its worker
         # threads compete with torch's for the cores during the forward.
-        bitmask = torch.empty(llg_torch.get_bitmask_shape(len(self.rows), vocab), dtype=torch.int32)
+        words = np.empty(llg_numpy.get_bitmask_shape(len(self.rows), vocab), dtype=np.int32)
         for i, g in enumerate(self.grammars):
-            llg_torch.fill_next_token_bitmask(g.matcher, bitmask, i)
+            llg_numpy.fill_next_token_bitmask(g.matcher, words, i)
         for g in self.grammars:
             g.check()
+        bitmask = torch.from_numpy(words)  # [R, ceil(V / 32)] int32, sharing the words
         # Unpacked on the logits' device (a GPU receives 1/8 of the bytes of a bool
         # mask). Seen as bytes (little-endian), byte b holds tokens 8b..8b+7, lowest bit
         # first. A table maps each byte to its 8 additive biases (0 allowed, -inf

@@ -49,11 +49,18 @@ def default_quant_kernel_dtype(device: torch.device, dtype: torch.dtype) -> torc
 
 
 def _cpu_has_bf16() -> bool:
+    """True where this process computes bf16 natively: the CPU has
+    AVX512-BF16 or AMX-BF16, ATen dispatches its AVX-512 kernels and oneDNN
+    may use bf16. ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA lower the last
+    two, which is how an AVX2-only CPU is emulated on a newer one: there
+    bf16 is emulated several times slower than float32."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return (("avx512_bf16" in flags or "amx_bf16" in flags)
+            and torch.backends.cpu.get_cpu_capability() == "AVX512"
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def open_checkpoint(source: ModelSource, dtype: torch.dtype, device: torch.device,

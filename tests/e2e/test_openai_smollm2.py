@@ -8,6 +8,9 @@ import json
 import jsonschema
 import openai
 import pytest
+import torch
+
+from tgi_server.quant.quantizer import save_float_model
 
 from .router_harness import launch
 
@@ -54,38 +57,33 @@ FLIGHT = {"type": "function", "function": {
 TOOLS = {"get_weather": WEATHER, "book_flight": FLIGHT}
 
 
-def serve(tmp_path_factory, *flags: str):
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One server for the module: SmolLM2's GGUF file dequantized once into a
+    float32 safetensors checkpoint, served in float32. In bf16 a greedy
+    answer depends on which requests share its batch (oneDNN picks kernels
+    by row count) and on prefix-cache hits, so 20 concurrent answers changed
+    between runs, and one CI run met a grade of hundreds of zeros that ran to
+    max_tokens; in float32 the 20 answers came out the same under every
+    arrival order tried. Dense, because the int4 kernels are exact in
+    float32 only on their scalar path (~6 tokens/s at batch 1). The GGUF
+    file in the default dtype is served by test_launcher_process."""
     tmp = tmp_path_factory.mktemp("smollm2")
-    proc, url = launch(None, tmp, "--max-input-tokens", "1536", "--max-total-tokens", "2048",
-                       "--kv-cache-bytes", "256MiB", *flags)
+    save_float_model(None, tmp / "float32", torch.float32)
+    proc, url = launch(str(tmp / "float32"), tmp, "--max-input-tokens", "1536", "--max-total-tokens", "2048",
+                       "--kv-cache-bytes", "256MiB", "--dtype", "float32")
     yield url
     proc.terminate()
     proc.wait(30)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The default dtype (bf16 on this CPU), as users run it."""
-    yield from serve(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def server_f32(tmp_path_factory):
-    """float32: in bf16 a greedy answer depends on which requests share its
-    batch (oneDNN picks kernels by row count) and on prefix-cache hits, so 20
-    concurrent answers changed between runs, and one CI run met a grade of
-    hundreds of zeros that ran to max_tokens. In float32 the 20 answers came
-    out the same under every arrival order tried."""
-    yield from serve(tmp_path_factory, "--dtype", "float32")
 
 
 def ask(content: str) -> list[dict]:
     return [{"role": "system", "content": "You answer in JSON."}, {"role": "user", "content": content}]
 
 
-def test_twenty_schemas_parse_and_validate(server_f32):
+def test_twenty_schemas_parse_and_validate(server):
     async def main():
-        client = openai.AsyncOpenAI(base_url=server_f32 + "/v1", api_key="unused", max_retries=0, timeout=300)
+        client = openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
         answers = await asyncio.gather(*[client.chat.completions.create(
             model="tgi", messages=ask(prompt), max_tokens=300, temperature=0,
             response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}})
@@ -129,7 +127,7 @@ def test_seeded_stream_reassembles_to_the_non_streamed_answer(server):
               tools=[WEATHER, FLIGHT], tool_choice="required", max_tokens=200, temperature=0.8, seed=99)
     # The prompt's full blocks are cached after its first request: warm them
     # so both answers below compute the same way (a prefix hit attends the
-    # cached K/V through another kernel path, and bf16 rounds the two apart).
+    # cached K/V through another kernel path, which rounds the two apart).
     client.chat.completions.create(**dict(kw, max_tokens=1))
     call = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
     name, args = None, ""

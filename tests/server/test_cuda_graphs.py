@@ -65,9 +65,9 @@ def test_only_backends_that_read_block_tables_in_kernel_are_captured():
 # --- padding and replay (eager "graphs" on CPU, captured ones on a GPU) --------------------------
 
 
-def _runner(tmp_path, device: str, backend: str, cuda_graphs=()):
+def _runner(tmp_path, device: str, backend: str, cuda_graphs=(), dtype: str | None = None):
     path = save_tiny_model("llama", tmp_path / "llama", seed=2)
-    config = ShardConfig(model_id=str(path), revision=None, uds_path=str(tmp_path / "s"), dtype=None,
+    config = ShardConfig(model_id=str(path), revision=None, uds_path=str(tmp_path / "s"), dtype=dtype,
                          device=device, block_size=BLOCK, kv_cache_bytes=8 << 20, attention_backend=backend,
                          num_threads=0, cuda_graphs=cuda_graphs)
     runner, _ = load_shard(config)
@@ -95,18 +95,30 @@ def _graphs(runner, sizes, capture):
                         sizes, runner.device, capture=capture)
 
 
-def test_padded_replay_gives_the_eager_hidden_states_and_leaves_real_blocks_alone(tmp_path):
-    runner = _runner(tmp_path, "cpu", "sdpa")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_padded_replay_gives_the_eager_hidden_states_and_leaves_real_blocks_alone(tmp_path, dtype):
+    """The padding row writes only the scratch block: every other slot keeps
+    its bits. The step's own slots are written again with the same values
+    up to the dtype's rounding (a GEMM over 4 rows may block its sums
+    differently from one over 3: it does in float32, on AVX2 and AVX-512)."""
+    runner = _runner(tmp_path, "cpu", "sdpa", dtype=dtype)
     batch = _decode_batch(runner, [5, 16, 40])
     with torch.inference_mode():
         want = runner.model(batch.input_ids, runner._context(batch))  # writes the step's K/V
-        cache_after_eager = [k[:-1].clone() for k, _ in runner.cache.layers]  # all but the scratch block
+        cache_after_eager = [(k.clone(), v.clone()) for k, v in runner.cache.layers]
         graphs = _graphs(runner, (1, 4, 8), capture=False)
         got = graphs.run(batch)
     assert graphs.outputs[4].shape[0] == 4  # 3 sequences ran padded to 4
     torch.testing.assert_close(got, want)
-    for (k, _), before in zip(runner.cache.layers, cache_after_eager):
-        assert torch.equal(k[:-1], before)
+    step_slots = batch.slot_mapping
+    for after, before in zip(runner.cache.layers, cache_after_eager):
+        for now, then in zip(after, before):  # K and V: [blocks, BLOCK, kv_heads, head_dim]
+            now_slots, then_slots = now.flatten(0, 1), then.flatten(0, 1)  # [blocks * BLOCK, kv_heads, head_dim]
+            untouched = torch.ones(now_slots.shape[0], dtype=torch.bool)
+            untouched[step_slots] = False
+            untouched[runner.cache.scratch_block * BLOCK:(runner.cache.scratch_block + 1) * BLOCK] = False
+            assert torch.equal(now_slots[untouched], then_slots[untouched])
+            torch.testing.assert_close(now_slots[step_slots], then_slots[step_slots])
 
 
 def test_steps_that_fit_no_graph_run_eagerly(tmp_path):

@@ -11,6 +11,7 @@ HF-layout model code (rotate-half RoPE) unchanged.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -152,11 +153,20 @@ class _Reader(GGUFReader):
 def _open(path: Path) -> GGUFReader:
     if not path.is_file():
         raise CheckpointError(f"{path}: GGUF file not found")
+    stat = path.stat()
+    return _read(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _read(path: Path, mtime_ns: int, size: int) -> GGUFReader:
+    """The parsed file, kept while it is unchanged (mtime_ns and size are
+    the key): parsing SmolLM2's metadata (its 49k-token vocabulary) takes
+    ~1.1 s, and a shard reads the file twice (weights, then the tokenizer),
+    the quantizer and the tests many times. Readers are only read from."""
     try:
         reader = _Reader(path, "r")
     except Exception as err:  # the reader raises ValueError, KeyError, struct errors... on bad bytes
         raise CheckpointError(f"{path}: not a valid GGUF file, truncated or corrupt ({_one_line(err)})") from None
-    size = path.stat().st_size
     for tensor in reader.tensors:
         if tensor.data_offset + tensor.n_bytes > size:
             raise CheckpointError(f"{path}: not a valid GGUF file, truncated (tensor {tensor.name} is cut off)")
