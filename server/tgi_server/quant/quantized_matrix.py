@@ -79,17 +79,23 @@ def affine_grid(w: torch.Tensor, bits: int, symmetric: bool, min_zero: int = 0,
     inputs) the least output error d^T H d."""
     top = 2 ** bits - 1
     best = None
+    if symmetric:
+        absmax = w.abs().amax(-1)
+    else:
+        low0, high0 = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
     for factor in SHRINK if search else (1.0,):
         if symmetric:
-            scale = (w.abs().amax(-1) * factor / (2 ** (bits - 1) - 1)).clamp(min=1e-12)
+            scale = (absmax * factor / (2 ** (bits - 1) - 1)).clamp(min=1e-12)
             zero = torch.full_like(scale, float(2 ** (bits - 1)))
         else:
-            low, high = w.amin(-1).clamp(max=0) * factor, w.amax(-1).clamp(min=0) * factor
+            low, high = low0 * factor, high0 * factor
             scale = ((high - low) / top).clamp(min=1e-12)
             zero = torch.clamp(torch.round(-low / scale), min_zero, top)
-        q = torch.clamp(torch.round(w / scale[..., None]) + zero[..., None], 0, top)
-        diff = (q - zero[..., None]) * scale[..., None] - w
-        err = diff.pow(2) if hessian is None else torch.einsum("...gi,gij->...gj", diff, hessian) * diff
+        # In place after the first op: one [..., size] buffer instead of seven
+        # (half the time of the AWQ scale search, which calls this ~10k times).
+        s, z = scale[..., None], zero[..., None]
+        diff = w.div(s).round_().add_(z).clamp_(0, top).sub_(z).mul_(s).sub_(w)  # dequantized - w
+        err = diff.pow_(2) if hessian is None else torch.einsum("...gi,gij->...gj", diff, hessian).mul_(diff)
         err = err.sum(-1)
         if best is None:
             best = (scale, zero, err)
