@@ -71,7 +71,8 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("smollm2")
     save_float_model(None, tmp / "float32", torch.float32)
     proc, url = launch(str(tmp / "float32"), tmp, "--max-input-tokens", "1536", "--max-total-tokens", "2048",
-                       "--kv-cache-bytes", "256MiB", "--dtype", "float32")
+                       "--kv-cache-bytes", "256MiB", "--dtype", "float32",
+                       "--max-batch-prefill-tokens", "1536")  # warmup prefills the budget: not 4096 tokens
     yield url
     proc.terminate()
     proc.wait(30)

@@ -69,8 +69,10 @@ def test_smollm2_on_three_shards_answers_as_one(tmp_path):
     the other side of a boundary of SmolLM2's distribution (1 prompt in 8)."""
     (tmp_path / "n1").mkdir()
     (tmp_path / "n3").mkdir()
-    # A 512-token warmup: float64 GEMMs are slow, and warmup prefills the whole budget.
-    flags = ("--dtype", "float64", "--kv-cache-bytes", "160MiB", "--max-batch-prefill-tokens", "512")
+    # A 64-token warmup: float64 GEMMs are slow, warmup prefills the whole budget, and the
+    # 8 prompts (at most 6 tokens each) fit in one such step.
+    flags = ("--dtype", "float64", "--kv-cache-bytes", "160MiB", "--max-input-tokens", "32",
+             "--max-total-tokens", "64", "--max-batch-prefill-tokens", "64")
     assert answers(None, tmp_path, 3, *flags, concurrent=True) == answers(None, tmp_path, 1, *flags, concurrent=True)
 
 

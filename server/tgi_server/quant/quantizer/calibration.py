@@ -11,13 +11,13 @@ result is worse than rounding.
 Calibration is sequential (GPTQ paper; AutoGPTQ's true-sequential): layer
 i's inputs come from running the calibration batch through layers 0..i-1
 already quantized, so each layer corrects for the error of those before it.
-Inputs are caught with forward pre-hooks on q_proj, o_proj, gate_proj and
-down_proj (float32); q/k/v share q_proj's inputs and gate/up share
-gate_proj's."""
+`sequential_pass` runs a layer stage by stage, rounding q/k/v, o_proj,
+gate/up and down_proj in turn on inputs through those already rounded
+(float32); q/k/v share q_proj's inputs and gate/up share gate_proj's."""
 
 import ast
 import sysconfig
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -101,42 +101,76 @@ def first_layer_inputs(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, dic
     return chunks
 
 
-def run_layer(layer, chunks: list[tuple[torch.Tensor, dict]]) -> list[tuple[torch.Tensor, dict]]:
-    """The chunks' hidden states after `layer` (as it is now: quantized layers
-    feed the next layer what the quantized model will)."""
+def sequential_pass(layer, chunks: list[tuple[torch.Tensor, dict]],
+                    round_group: Callable[[str, torch.Tensor], None]) -> list[tuple[torch.Tensor, dict]]:
+    """Runs a Llama-family decoder layer over the chunks and, at the input of
+    each INPUT_GROUPS linear in forward order, calls round_group(key,
+    hessian [K, K] = X^T X / n over the chunks' inputs, float32), which
+    rounds that group's linears in place; returns the chunks' outputs of the
+    rounded layer, what it feeds the next.
+
+    Each stage keeps what the next needs, so each GEMM and the attention run
+    once per token (four forwards of the layer cut short at a hook did the
+    same with about twice the compute). The ops are the layer's own, in its
+    order: the outputs are the bits layer(hidden, **kwargs) gives."""
+    attn, mlp = layer.self_attn, layer.mlp
     with torch.no_grad():
-        outputs = [layer(hidden, **kwargs) for hidden, kwargs in chunks]
-    return [(out[0] if isinstance(out, tuple) else out, kwargs) for out, (_, kwargs) in zip(outputs, chunks)]
+        x = [layer.input_layernorm(hidden) for hidden, _ in chunks]  # [c, L, D] each
+        round_group("self_attn.q_proj", _hessian(x))
+        a = _o_proj_inputs(attn, x, [kwargs for _, kwargs in chunks])  # [c, L, heads * head_dim]
+        round_group("self_attn.o_proj", _hessian(a))
+        residual = [hidden + attn.o_proj(ai) for ai, (hidden, _) in zip(a, chunks)]
+        x = [layer.post_attention_layernorm(r) for r in residual]
+        round_group("mlp.gate_proj", _hessian(x))
+        m = [mlp.act_fn(mlp.gate_proj(xi)) * mlp.up_proj(xi) for xi in x]  # [c, L, intermediate]
+        round_group("mlp.down_proj", _hessian(m))
+        return [(r + mlp.down_proj(mi), kwargs) for r, mi, (_, kwargs) in zip(residual, m, chunks)]
 
 
-@dataclass
-class LayerInputs:
-    """Per caught input (an INPUT_GROUPS key): hessian [K, K] = X^T X / n
-    (for GPTQ) or a sample of rows X [~max_rows, K] (for AWQ's search)."""
+def _hessian(inputs: list[torch.Tensor]) -> torch.Tensor:
+    """X^T X / n [K, K] float32 over the rows of all inputs [..., K], summed chunk by chunk."""
+    total, count = 0, 0
+    for x in inputs:
+        x = x.reshape(-1, x.shape[-1]).float()  # [c * L, K]
+        total, count = total + x.T @ x, count + x.shape[0]
+    return total / count
 
-    hessians: dict[str, torch.Tensor] = field(default_factory=dict)
-    samples: dict[str, torch.Tensor] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=dict)
+
+def _o_proj_inputs(attn, inputs: list[torch.Tensor], kwargs: list[dict]) -> list[torch.Tensor]:
+    """The attention's outputs before o_proj, one per chunk (the forward stops there)."""
+    caught = []
+
+    def catch(module, args):
+        caught.append(args[0])
+        raise _Stop
+
+    handle = attn.o_proj.register_forward_pre_hook(catch)
+    try:
+        for x, kw in zip(inputs, kwargs):
+            try:
+                attn(hidden_states=x, **kw)
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+    return caught
 
 
-def catch_inputs(layer, chunks: list[tuple[torch.Tensor, dict]], names: list[str], max_rows: int = 0,
-                 seed: int = 0) -> LayerInputs:
-    """The inputs of `layer`'s linears `names` (INPUT_GROUPS keys, in forward
-    order) over all chunks: hessians, or with max_rows > 0 (AWQ's search)
-    a sample of about that many rows instead. The pass stops at the last of them."""
-    caught, generator = LayerInputs(), torch.Generator().manual_seed(seed)
+def sample_inputs(layer, chunks: list[tuple[torch.Tensor, dict]], names: list[str], max_rows: int,
+                  seed: int) -> dict[str, torch.Tensor]:
+    """About max_rows rows [~max_rows, K] float32 of the inputs of `layer`'s
+    linears `names` (INPUT_GROUPS keys, in forward order) over all chunks,
+    drawn at random in proportion to each chunk's tokens (AWQ's search). The
+    pass stops at the last of them."""
+    samples, generator = {}, torch.Generator().manual_seed(seed)
     total = sum(hidden.shape[0] * hidden.shape[1] for hidden, _ in chunks)
 
     def hook(name):
         def catch(module, args):
             x = args[0].reshape(-1, args[0].shape[-1]).float()  # [c * L, K]
-            if not max_rows:
-                caught.hessians[name] = caught.hessians.get(name, 0) + x.T @ x
-                caught.counts[name] = caught.counts.get(name, 0) + x.shape[0]
-            else:
-                rows = max(1, max_rows * x.shape[0] // total)
-                picked = x[torch.randperm(x.shape[0], generator=generator)[:rows]]
-                caught.samples[name] = torch.cat([caught.samples[name], picked]) if name in caught.samples else picked
+            rows = max(1, max_rows * x.shape[0] // total)
+            picked = x[torch.randperm(x.shape[0], generator=generator)[:rows]]
+            samples[name] = torch.cat([samples[name], picked]) if name in samples else picked
             if name == names[-1]:
                 raise _Stop
         return catch
@@ -152,9 +186,7 @@ def catch_inputs(layer, chunks: list[tuple[torch.Tensor, dict]], names: list[str
     finally:
         for handle in handles:
             handle.remove()
-    for name, count in caught.counts.items():
-        caught.hessians[name] /= count
-    return caught
+    return samples
 
 
 def submodule(layer, name: str):

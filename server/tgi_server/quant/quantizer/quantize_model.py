@@ -8,7 +8,7 @@ import transformers
 
 from ...weights.resolve import resolve_model
 from .awq_search import search_scales
-from .calibration import INPUT_GROUPS, calibration_ids, catch_inputs, first_layer_inputs, run_layer, submodule
+from .calibration import INPUT_GROUPS, calibration_ids, first_layer_inputs, sample_inputs, sequential_pass, submodule
 from .export import save_quantized
 from .gptq_solver import gptq_quantize
 from ..quantized_matrix import QuantizedMatrix
@@ -37,22 +37,22 @@ def quantize_model(model_id: str | None, out: Path, method: str, bits: int = 4, 
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}"
         if method == "awq":  # scales from the float layer's inputs, folded in before any rounding
-            inputs = catch_inputs(layer, chunks, list(INPUT_GROUPS), max_rows=1024, seed=seed + i)
-            _awq_rescale(layer, inputs.samples, group_size)
-        for caught, members in INPUT_GROUPS.items():
-            linears = [submodule(layer, name) for name in members]
-            # Inputs through this layer's linears already quantized (true-sequential): [K, K].
-            h = catch_inputs(layer, chunks, [caught]).hessians[caught]
+            _awq_rescale(layer, sample_inputs(layer, chunks, list(INPUT_GROUPS), 1024, seed + i), group_size)
+
+        def round_group(caught: str, h: torch.Tensor) -> None:
+            # h [K, K]: inputs through this layer's linears already quantized (true-sequential).
+            linears = [submodule(layer, name) for name in INPUT_GROUPS[caught]]
             # GPTQ treats rows independently given H: linears sharing inputs go through it together.
             # AWQ's layout has no g_idx; act-order's static groups keep it the plain one.
             stacked = gptq_quantize(torch.cat([m.weight.detach() for m in linears]), h, bits, group_size,
                                     act_order or method == "awq", symmetric)
             bounds = torch.tensor([0] + [m.weight.shape[0] for m in linears]).cumsum(0).tolist()
-            for name, m, (a, b) in zip(members, linears, zip(bounds, bounds[1:])):
+            for name, m, (a, b) in zip(INPUT_GROUPS[caught], linears, zip(bounds, bounds[1:])):
                 matrices[f"{prefix}.{name}"] = part = stacked.rows(slice(a, b))
                 with torch.no_grad():
                     m.weight.copy_(part.dequantize())
-        chunks = run_layer(layer, chunks)
+
+        chunks = sequential_pass(layer, chunks, round_group)
     save_quantized(model, matrices, out, method, group_size, act_order, symmetric, tokenizer)
 
 
