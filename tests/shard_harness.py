@@ -115,10 +115,13 @@ class ShardProcesses:
     """`text-generation-server serve` once per rank, with the environment the
     launcher gives it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); on CPU
     the group talks over gloo. `sockets` are in rank order; `log(rank)` is a
-    shard's stdout so far."""
+    shard's stdout so far. kv_cache_bytes: each rank's cache, as in
+    InProcessShard (the shard's own default, a share of the host's memory,
+    is gigabytes zeroed at every Warmup: 1-4 s a call)."""
 
     def __init__(self, tmp_path: Path, model_id: str, world_size: int, *args: str,
-                 dtype: str = "float32", device: str = "cpu", num_threads: int = 1):
+                 dtype: str = "float32", device: str = "cpu", num_threads: int = 1,
+                 kv_cache_bytes: int = 64 << 20):
         self.tmp_path, self.world_size = tmp_path, world_size
         uds = str(tmp_path / f"tp{world_size}")
         self.sockets = [f"{uds}-{rank}" for rank in range(world_size)]
@@ -130,7 +133,8 @@ class ShardProcesses:
             with open(self._log_path(rank), "w") as out:
                 self.processes.append(subprocess.Popen(
                     [sys.executable, "-m", "tgi_server.cli", "serve", model_id, "--uds-path", uds,
-                     "--dtype", dtype, "--device", device, "--num-threads", str(num_threads), *args],
+                     "--dtype", dtype, "--device", device, "--num-threads", str(num_threads),
+                     "--kv-cache-bytes", str(kv_cache_bytes), *args],
                     env=env, stdout=out, stderr=subprocess.STDOUT))
 
     def _log_path(self, rank: int) -> Path:

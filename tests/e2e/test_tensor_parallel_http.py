@@ -19,27 +19,31 @@ PROMPTS = ["Hello", "The weather today", "Once upon a time", "1, 2, 3,", "Paris 
            "Write a poem", "def main():", "The quick brown fox"]
 
 
-def texts(url: str, parameters: dict, concurrent: bool) -> list[str]:
-    def one(prompt: str) -> str:
-        return httpx.post(url + "/generate", json={"inputs": prompt, "parameters": parameters},
-                          timeout=120).json()["generated_text"]
-    if not concurrent:
-        return [one(p) for p in PROMPTS]
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        return list(pool.map(one, PROMPTS))
+GREEDY = {"max_new_tokens": 16}
+SEEDED = {"max_new_tokens": 16, "do_sample": True, "temperature": 0.8, "seed": 7}
+
+
+def generated(url: str, prompt: str, parameters: dict) -> str:
+    return httpx.post(url + "/generate", json={"inputs": prompt, "parameters": parameters},
+                      timeout=120).json()["generated_text"]
 
 
 def answers(model: str | None, tmp_path, num_shard: int, *flags: str,
             concurrent: bool = False) -> tuple[list[str], list[str]]:
     """(greedy texts, seeded sampled texts) of PROMPTS from a launch with
-    `num_shard` shards. concurrent: the prompts are sent at once and share
-    batches, whose make-up then varies with arrival order (only in float64
-    is a text then independent of it)."""
+    `num_shard` shards. concurrent: all 16 requests are sent at once and
+    share batches, whose make-up then varies with arrival order (only in
+    float64 is a text then independent of it); else one at a time."""
     proc, url = launch(model, tmp_path / f"n{num_shard}", "--num-shard", str(num_shard),
                        "--master-port", str(free_port()), *flags)
+    requests = [(p, GREEDY) for p in PROMPTS] + [(p, SEEDED) for p in PROMPTS]
     try:
-        return (texts(url, {"max_new_tokens": 16}, concurrent),
-                texts(url, {"max_new_tokens": 16, "do_sample": True, "temperature": 0.8, "seed": 7}, concurrent))
+        if concurrent:
+            with ThreadPoolExecutor(len(requests)) as pool:
+                texts = list(pool.map(lambda request: generated(url, *request), requests))
+        else:
+            texts = [generated(url, *request) for request in requests]
+        return texts[:len(PROMPTS)], texts[len(PROMPTS):]
     finally:
         proc.terminate()
         proc.wait(30)
