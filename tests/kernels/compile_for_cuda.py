@@ -6,6 +6,8 @@ are also compiled here. Run in a process without TRITON_INTERPRET:
 `python -m tests.kernels.compile_for_cuda`; prints one line per kernel.
 """
 
+from concurrent.futures import ThreadPoolExecutor
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -15,10 +17,21 @@ from tgi_kernels.triton import paged_decode_kernel, store_kv_kernel, varlen_pref
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_kernel(fn, pointers: dict, scalars: dict, constexprs: dict) -> int:
+def compile_sources(jobs: list[tuple[str, ASTSource, dict]]) -> list[str]:
+    """(label, source, compile options) -> "compiled LABEL: N bytes of PTX" per
+    job, in order. On two threads: triton's MLIR and LLVM passes run outside
+    the GIL, so two cores compile twice as many kernels."""
+    def one(job: tuple[str, ASTSource, dict]) -> str:
+        label, source, options = job
+        compiled = triton.compile(source, target=TARGET, options=options)
+        return f"compiled {label}: {len(compiled.asm['ptx'])} bytes of PTX"
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(one, jobs))
+
+
+def source(fn, pointers: dict, scalars: dict, constexprs: dict) -> ASTSource:
     signature = {**pointers, **scalars, **{name: "constexpr" for name in constexprs}}
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET)
-    return len(compiled.asm["ptx"])
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs)
 
 
 def cases():
@@ -52,10 +65,11 @@ def cases():
 
 
 def main() -> None:
-    for name, fn, (pointers, scalars, constexprs) in cases():
-        size = compile_kernel(fn, pointers, scalars, constexprs)
-        dtype = pointers.get("out", pointers.get("key"))
-        print(f"compiled {name} head_dim={constexprs['HEAD_DIM']} {dtype}: {size} bytes of PTX")
+    jobs = [(f"{name} head_dim={constexprs['HEAD_DIM']} {pointers.get('out', pointers.get('key'))}",
+             source(fn, pointers, scalars, constexprs), {})
+            for name, fn, (pointers, scalars, constexprs) in cases()]
+    for line in compile_sources(jobs):
+        print(line)
 
 
 if __name__ == "__main__":

@@ -214,8 +214,7 @@ def test_tile_config_follows_rows_and_short_groups():
 # --- compiler only (no GPU needed) -----------------------------------------------------
 
 _COMPILE = """
-from tests.kernels.compile_for_cuda import TARGET
-import triton
+from tests.kernels.compile_for_cuda import compile_sources
 from triton.compiler import ASTSource
 from tgi_kernels.triton import quant_matmul_kernel as qk
 
@@ -223,6 +222,7 @@ cases = [(d, b, a, c, s) for d in ("bf16",) for b in (4, 8) for a in (True, Fals
          for c, s in (("DECODE", True), ("DECODE", False), ("MEDIUM", False), ("LARGE", False))]
 cases += [("fp16", 4, True, "DECODE", True), ("fp16", 4, True, "LARGE", False),
           ("fp32", 8, False, "DECODE", True), ("fp32", 4, True, "MEDIUM", False)]
+jobs = []
 for dtype, bits, aligned, name, split in cases:
     cfg = getattr(qk, name)
     signature = dict(x=f"*{dtype}", packed="*u8", scales="*fp32", offsets="*fp32", group="*i32",
@@ -231,16 +231,17 @@ for dtype, bits, aligned, name, split in cases:
     constexprs = dict(BITS=bits, ALIGNED=aligned, SPLIT=split, PRECISION="ieee" if dtype == "fp32" else "tf32",
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
     signature.update({k: "constexpr" for k in constexprs})
-    src = ASTSource(fn=qk._quant_matmul_kernel, signature=signature, constexprs=constexprs)
-    compiled = triton.compile(src, target=TARGET, options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    print(f"compiled {dtype} {bits}-bit aligned={aligned} {name} split={split}: {len(compiled.asm['ptx'])} bytes")
+    jobs.append((f"{dtype} {bits}-bit aligned={aligned} {name} split={split}",
+                 ASTSource(fn=qk._quant_matmul_kernel, signature=signature, constexprs=constexprs),
+                 dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)))
 for dtype, bits in (("bf16", 4), ("bf16", 8), ("fp16", 4), ("fp32", 8)):
     constexprs = dict(BITS=bits, BLOCK_K=qk.DEQUANT_BLOCK_K, BLOCK_N=qk.DEQUANT_BLOCK_N)
     signature = dict(packed="*u8", scales="*fp32", offsets="*fp32", group="*i32", out=f"*{dtype}", N="i32", K="i32",
                      **{k: "constexpr" for k in constexprs})
-    src = ASTSource(fn=qk._dequant_kernel, signature=signature, constexprs=constexprs)
-    compiled = triton.compile(src, target=TARGET)
-    print(f"compiled dequant {dtype} {bits}-bit: {len(compiled.asm['ptx'])} bytes")
+    jobs.append((f"dequant {dtype} {bits}-bit", ASTSource(fn=qk._dequant_kernel, signature=signature,
+                                                         constexprs=constexprs), {}))
+for line in compile_sources(jobs):
+    print(line)
 """
 
 
