@@ -55,19 +55,12 @@ def make_prompts(tokenizer, n: int) -> list[list[int]]:
 
 
 def hf_model(dtype: torch.dtype):
-    import transformers
-
-    from tgi_server.weights.gguf import load_gguf, load_gguf_tokenizer
+    """(transformers model of the default model's GGUF file dequantized, in dtype; tokenizer; file path)."""
+    from tgi_server.quant.quantizer import load_float_model
     from tgi_server.weights.resolve import default_model_path
 
-    path = default_model_path()
-    checkpoint = load_gguf(path, dtype)
-    values = dict(checkpoint.config)
-    config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
-    model = transformers.LlamaForCausalLM(config).to(dtype)
-    model.load_state_dict(checkpoint.tensors, strict=False)
-    model.tie_weights()
-    return model.eval(), load_gguf_tokenizer(path), path
+    model, tokenizer = load_float_model(None)
+    return model.to(dtype), tokenizer, default_model_path()
 
 
 def hf_throughput(model, prompts: list[list[int]]) -> float:

@@ -32,17 +32,8 @@ def smollm2_hf():
     """(transformers LlamaForCausalLM in float32, tokenizer, GGUF path) for
     SmolLM2-135M-Instruct, built from the same dequantized GGUF weights our
     shard serves."""
-    import transformers
-
-    from tgi_server.weights.gguf import load_gguf, load_gguf_tokenizer
+    from tgi_server.quant.quantizer import load_float_model
     from tgi_server.weights.resolve import default_model_path
 
-    path = default_model_path()
-    checkpoint = load_gguf(path, torch.float32)
-    values = dict(checkpoint.config)
-    config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
-    model = transformers.LlamaForCausalLM(config)
-    missing, unexpected = model.load_state_dict(checkpoint.tensors, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    model.tie_weights()
-    return model.eval(), load_gguf_tokenizer(path), path
+    model, tokenizer = load_float_model(None)
+    return model, tokenizer, default_model_path()

@@ -92,16 +92,23 @@ def save_float_model(model_id: str | None, out: Path, dtype: torch.dtype = torch
 
 
 def load_float_model(model_id: str | None):
-    """(transformers model in float32, its tokenizer or None)."""
+    """(transformers model in float32, its tokenizer or None); a GGUF file
+    (the default model's too) is dequantized."""
     source = resolve_model(model_id)
     if source.format == "gguf":
+        from transformers.initialization import no_init_weights
+
         from ...weights.gguf import load_gguf, load_gguf_tokenizer
 
         checkpoint = load_gguf(source.path, torch.float32)
         values = dict(checkpoint.config)
         config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
-        model = transformers.AutoModelForCausalLM.from_config(config)
-        model.load_state_dict(checkpoint.tensors, strict=False)
+        with no_init_weights():  # every weight is loaded below: random init took ~2 s for SmolLM2
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        missing, unexpected = model.load_state_dict(checkpoint.tensors, strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            raise ValueError(f"{source.path}: tensors the model lacks {sorted(unexpected)[:3]} "
+                             f"or lacks {sorted(set(missing) - {'lm_head.weight'})[:3]}")
         model.tie_weights()
         return model.eval(), load_gguf_tokenizer(source.path)
     model = transformers.AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).eval()
