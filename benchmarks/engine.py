@@ -6,12 +6,12 @@ computes it natively, float32 elsewhere: machine.serving_dtype). The shard
 runs in its own process (as in production), started without --dtype, and is
 driven by the router's scheduler; the baseline runs `generate` on the
 dequantized file in the same dtype, one request at a time (and, for
-reference, as one static batch of 32) in this process while the shard idles. Throughput is
-generated tokens over wall time. The ratio keys compare the engine's decode
-throughput (steps in which no prompt is prefilling) with `generate` one
-request at a time (its 128-token prefill is ~2% of its time); the `_e2e_`
-keys compare end-to-end throughput, the engine's prefill of every prompt
-included."""
+reference, as one static batch of 32) in this process while the shard
+idles. Throughput is generated tokens over wall time. The ratio keys
+compare the engine's decode throughput (steps in which no prompt is
+prefilling) with `generate` one request at a time (its 128-token prefill is
+~2% of its time); the `_e2e_` keys compare end-to-end throughput, the
+engine's prefill of every prompt included."""
 
 import asyncio
 import os

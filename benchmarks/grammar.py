@@ -25,7 +25,6 @@ from tgi_router.engine import Engine
 from tgi_router.grammar import json_grammar
 from tgi_router.scheduler import Scheduler
 from tgi_router.sequence import Sequence, StoppingCriteria
-
 from tgi_server.weights.gguf import load_gguf_tokenizer
 from tgi_server.weights.resolve import default_model_path
 
