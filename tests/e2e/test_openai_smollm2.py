@@ -65,9 +65,9 @@ def server(tmp_path_factory):
     by row count) and on prefix-cache hits, so 20 concurrent answers changed
     between runs, and one CI run met a grade of hundreds of zeros that ran to
     max_tokens; in float32 the 20 answers came out the same under every
-    arrival order tried. Dense, because the int4 kernels are exact in
-    float32 only on their scalar path (~6 tokens/s at batch 1). The GGUF
-    file in the default dtype is served by test_launcher_process."""
+    arrival order tried. Dense, because in exact float32 the GGUF's int4
+    weights are unpacked at every GEMM (~85 ms a decode step of 4 rows). The
+    GGUF file in the default dtype is served by test_launcher_process."""
     tmp = tmp_path_factory.mktemp("smollm2")
     save_float_model(None, tmp / "float32", torch.float32)
     proc, url = launch(str(tmp / "float32"), tmp, "--max-input-tokens", "1536", "--max-total-tokens", "2048",
