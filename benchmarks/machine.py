@@ -3,6 +3,7 @@ chooses on it. Every CPU benchmark runs its model and its baselines in
 `serving_dtype()`, the shard's own default rule, so that a CPU without
 native bf16 is measured in float32 rather than in emulated bf16."""
 
+import os
 import platform
 from pathlib import Path
 
@@ -25,9 +26,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def machine_facts() -> dict:
-    """Keys every benchmark JSON line carries: the CPU's model and flags,
-    the kernels torch and oneDNN dispatch (ATEN_CPU_CAPABILITY and
-    ONEDNN_MAX_CPU_ISA lower them), and the serving dtype."""
+    """Keys every benchmark JSON line carries: the CPU's model, flags and
+    cores, the kernels torch and oneDNN dispatch (ATEN_CPU_CAPABILITY and
+    ONEDNN_MAX_CPU_ISA lower them), and the serving dtype. (Each benchmark
+    sets its own thread count: THREADS in its module.)"""
     model, flags = platform.processor(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -41,5 +43,4 @@ def machine_facts() -> dict:
     return {"dtype": dtype_name(serving_dtype()), "cpu_model": model,
             "cpu_flags": " ".join(f for f in FLAGS if f in flags),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "onednn_bf16": torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-            "threads": torch.get_num_threads()}
+            "onednn_bf16": torch.ops.mkldnn._is_mkldnn_bf16_supported(), "cores": os.cpu_count()}
