@@ -1,8 +1,8 @@
 """HTTP load benchmark: N streaming requests at concurrency C against the
 real launcher (SmolLM2, 2 threads, started without --dtype: the dtype the
-shard chooses on this CPU), with the transformers
-one-at-a-time baseline (in that dtype) and the engine's own batch-1 speed (shard over gRPC,
-no router) measured in the same run."""
+shard chooses on this CPU), with the transformers one-at-a-time baseline
+(in that dtype) and the engine's own batch-1 speed (shard over gRPC, no
+router) measured in the same run."""
 
 import asyncio
 import json

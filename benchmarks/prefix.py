@@ -1,6 +1,7 @@
 """Prefix caching and chunked prefill benchmark: SmolLM2-135M-Instruct on 2
-threads, in the dtype the shard chooses on this CPU, the shard in its own process driven by the router's
-engine (as in production), both sides of each comparison in the same run.
+threads, in the dtype the shard chooses on this CPU, the shard in its own
+process driven by the router's engine (as in production), both sides of
+each comparison in the same run.
 
 (a) Requests sharing a ~1,000-token system prompt, each with its own short
     question, arrive one after another: time to first token with prefix
