@@ -6,7 +6,7 @@ import json
 
 from .machine import machine_facts
 
-BENCHES = ("engine", "http", "grammar", "prefix", "quant")
+BENCHES = ("engine", "http", "grammar", "structured", "prefix", "quant")
 
 
 def main() -> None:

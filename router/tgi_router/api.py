@@ -62,7 +62,8 @@ def create_app(engine: Engine, settings: ApiSettings, metrics, state: ServerStat
     gate = Gate(engine, settings, metrics, state)
 
     def tgi_request(body: p.GenerateRequest, stream: bool):
-        return lambda: [validate(body, engine.tokenizer.encode, settings.limits, stream=stream)]
+        return lambda: [validate(body, engine.tokenizer.encode, settings.limits, stream=stream,
+                                count_tokens=lambda t: len(engine.tokenizer.encode(t, add_special_tokens=False)))]
 
     async def generate(request: Request, body: p.GenerateRequest) -> RequestStream:
         admitted = await gate.admit(tgi_request(body, stream=False))

@@ -20,7 +20,7 @@ from .openai_protocol import ChatCompletionRequest, CompletionRequest
 from .protocol import GenerateParameters, GenerateRequest
 from .tokenizer import RouterTokenizer
 from .tool_calls import ToolPlan, plan_tools
-from .validation import ValidationLimits, ValidGenerateRequest, validate
+from .validation import ValidationLimits, ValidGenerateRequest, check_grammar_budget, validate
 
 __all__ = ["MAX_CHOICES", "PreparedChat", "chat_tools", "prepare_chat", "prepare_completion", "render_chat"]
 
@@ -59,8 +59,9 @@ def prepare_chat(body: ChatCompletionRequest, template: ChatTemplate, tokenizer:
     params = _parameters(body, max_new_tokens=_max_tokens(body.max_completion_tokens, body.max_tokens),
                          top_n=body.top_logprobs if body.logprobs else None)
     # The template already wrote BOS and every special token the model expects.
-    valid = validate(GenerateRequest(inputs=text, parameters=params),
-                     lambda s: tokenizer.encode(s, add_special_tokens=False), limits)
+    encode = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    valid = validate(GenerateRequest(inputs=text, parameters=params), encode, limits)
+    check_grammar_budget(grammar, valid.stopping.max_total_new_tokens, lambda s: len(encode(s)))
     return PreparedChat(_choices(valid, body, grammar), tools, text)
 
 

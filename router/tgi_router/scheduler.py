@@ -245,18 +245,20 @@ class Scheduler:
             if not gen.sampled:
                 continue
             seq.token_ids.append(gen.token_id)
-            reason = self._stop_reason(seq, gen.token_id)
+            reason = self._stop_reason(seq, gen)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
 
     @staticmethod
-    def _stop_reason(seq: Sequence, token: int) -> FinishReason | None:
-        """TGI's order: the length limit wins over an EOS on the last token."""
+    def _stop_reason(seq: Sequence, gen: pb.Generation) -> FinishReason | None:
+        """TGI's order: the length limit wins over an EOS on the last token,
+        except that a grammar completed by the last token ended the text:
+        that is an end, as the EOS the grammar allows next would be."""
         if seq.num_generated >= seq.stopping.max_new_tokens:
-            return FinishReason.LENGTH
-        if not seq.stopping.ignore_eos and token in seq.stopping.stop_token_ids:
+            return FinishReason.EOS_TOKEN if gen.grammar_complete else FinishReason.LENGTH
+        if not seq.stopping.ignore_eos and gen.token_id in seq.stopping.stop_token_ids:
             return FinishReason.EOS_TOKEN
         return None
 

@@ -27,7 +27,7 @@ from tgi_router.protocol import (GenerateParameters, GenerateRequest,
 
 __all__ = ["DEFAULT_GENERATION_LENGTH", "ValidationError", "ValidationLimits",
            "ValidGrammar", "ValidParameters", "ValidStoppingParameters",
-           "ValidGenerateRequest", "check_input_chars", "tokenize_text", "validate"]
+           "ValidGenerateRequest", "check_grammar_budget", "check_input_chars", "tokenize_text", "validate"]
 
 # TGI: a request without max_new_tokens is scheduled this many tokens at a
 # time, up to max_total_new_tokens.
@@ -100,9 +100,12 @@ class ValidGenerateRequest:
 
 def validate(request: GenerateRequest, tokenize: Callable[[str], list[int]],
              limits: ValidationLimits, *, stream: bool = False,
-             rng: random.Random | None = None) -> ValidGenerateRequest:
+             rng: random.Random | None = None,
+             count_tokens: Callable[[str], int] | None = None) -> ValidGenerateRequest:
     """Apply TGI's rules in TGI's order; raise `ValidationError` whose detail
-    is TGI's message for the first rule broken. `stream` adds the rules of
+    is TGI's message for the first rule broken. `count_tokens` counts the
+    tokens of generated text (default: len(tokenize(text))), for the grammar's
+    budget check (`check_grammar_budget`). `stream` adds the rules of
     `/generate_stream` (and of `/` with `"stream": true`)."""
     p = request.parameters
     best_of = _check_best_of(p, limits, stream)
@@ -119,6 +122,7 @@ def validate(request: GenerateRequest, tokenize: Callable[[str], list[int]],
     input_length = min(len(ids), truncate) if truncate is not None else len(ids)
     max_new, max_total_new = _check_lengths(p, input_length, limits)
     grammar = _valid_grammar(p, limits)
+    check_grammar_budget(grammar, max_total_new, count_tokens or (lambda text: len(tokenize(text))))
     return ValidGenerateRequest(
         inputs=request.inputs,
         input_ids=tuple(ids[len(ids) - input_length:]),
@@ -260,6 +264,20 @@ def _check_lengths(p: GenerateParameters, input_length: int,
         raise ValidationError(f"`inputs` must have less than {limits.max_input_tokens} "
                               f"tokens. Given: {input_length}")
     return max_new, max_total_new
+
+
+def check_grammar_budget(grammar: ValidGrammar | None, max_new_tokens: int,
+                         count_tokens: Callable[[str], int]) -> None:
+    """A 422 when the grammar's shortest complete output needs more tokens
+    than the request may generate: the shard guarantees a complete output
+    within max_new_tokens only from that many on."""
+    if grammar is None or grammar.shortest is None:
+        return
+    needed = count_tokens(grammar.shortest)
+    if max_new_tokens < needed:
+        raise ValidationError(
+            f"`max_new_tokens` must be at least {needed} for this grammar: its shortest valid output, "
+            f"{grammar.shortest!r}, is {needed} tokens. Given: {max_new_tokens}")
 
 
 def _valid_grammar(p: GenerateParameters,

@@ -6,7 +6,9 @@ router. Each constrained sequence owns an `LLMatcher` that has consumed exactly
 the tokens the sequence has generated; before sampling, its row of the logits
 keeps only the tokens the matcher allows next. A complete grammar (or a matcher
 in an error state) allows EOS alone: llguidance's mask does that itself, so the
-sequence ends cleanly."""
+sequence ends cleanly. A sequence that knows its max_new_tokens also keeps a
+Budget (grammar_budget.py), which narrows the mask near the end so that the
+grammar completes within it."""
 
 import functools
 import logging
@@ -21,6 +23,10 @@ import llguidance as llg
 import llguidance.numpy as llg_numpy
 import numpy as np
 import torch
+
+from tgi_proto.grammar_walk import walk
+
+from .grammar_budget import Budget, PlanMaker
 
 __all__ = ["GrammarCompiler", "GrammarError", "GrammarMask", "SequenceGrammar"]
 
@@ -40,10 +46,16 @@ class SequenceGrammar:
     tokens; but a step may exhaust its fuel), one warning is logged and from then on
     llguidance's mask allows EOS only, so the sequence ends cleanly."""
 
-    def __init__(self, seq_id: int, matcher: llg.LLMatcher):
+    def __init__(self, seq_id: int, matcher: llg.LLMatcher, budget: Budget | None = None):
         self.seq_id = seq_id
         self.matcher = matcher
+        self.budget = budget
         self.failed = False
+
+    @property
+    def complete(self) -> bool:
+        """Whether the text so far is a complete document of the grammar."""
+        return not self.failed and self.matcher.is_accepting()
 
     def check(self) -> None:
         """Logs the warning when the matcher has just entered an error state."""
@@ -77,30 +89,53 @@ class GrammarCompiler:
         self.eos_token_ids = list(eos_token_ids)
         self.cache_size = cache_size
         self._tokenizer: llg.LLTokenizer | None = None
+        self._plans: PlanMaker | None = None
         self._templates: OrderedDict[str, llg.LLMatcher] = OrderedDict()
 
-    def start(self, seq_id: int, grammar: str, generated: Sequence[int]) -> SequenceGrammar:
+    def start(self, seq_id: int, grammar: str, generated: Sequence[int], max_new_tokens: int = 0,
+              greedy: bool = True) -> SequenceGrammar:
         """Sequence `seq_id`'s state in `grammar` after `generated` (the tokens it already
-        produced, non-empty when a preempted sequence is re-sent).
-        Raises GrammarError when the grammar does not compile."""
-        state = SequenceGrammar(seq_id, self._template(grammar).deep_copy())
+        produced, non-empty when a preempted sequence is re-sent); max_new_tokens > 0 is
+        its budget, which the grammar then completes within (0: none), greedy whether it
+        takes the argmax. Raises GrammarError when the grammar does not compile."""
+        state = SequenceGrammar(seq_id, self._template(grammar).deep_copy(),
+                                self._budget(grammar, max_new_tokens, greedy))
         if generated:
             state.matcher.consume_tokens(list(generated))
             state.check()
+            if state.budget is not None:
+                for token in generated:
+                    state.budget.advance(self._plans, token)
         return state
 
     def mask(self, rows: Sequence[int], grammars: Sequence[SequenceGrammar]) -> "GrammarMask":
         """The logits processor that masks batch row rows[i] with grammars[i]."""
-        return GrammarMask(list(rows), list(grammars))
+        return GrammarMask(list(rows), list(grammars), self._plans)
 
     def consume(self, chosen: Sequence[tuple[SequenceGrammar, int]]) -> None:
         """Advances each (grammar, sampled token) by its token."""
         live = [(g, token) for g, token in chosen if not g.failed]
-        if live:
-            for g, token in live:
-                g.matcher.consume_token(token)
+        for g, token in live:
+            g.matcher.consume_token(token)
+            if g.budget is not None:
+                g.budget.advance(self._plans, token)
         for g, _ in live:
             g.check()
+
+    def _budget(self, grammar: str, max_new_tokens: int, greedy: bool) -> Budget | None:
+        if max_new_tokens <= 0:
+            return None
+        if self._plans is None:
+            self._plans = PlanMaker(self._get_tokenizer(), self.eos_token_ids)
+        try:
+            grammar_walk = walk(grammar)
+        except ValueError:  # compiles for the model's vocabulary, not for bytes: no budget
+            return None
+        shortest = grammar_walk.shortest()
+        if shortest is None:
+            log.warning("no completion of a grammar found; its sequences may end unfinished")
+            return None
+        return Budget(max_new_tokens, self._plans.plan(grammar_walk.start(), shortest), greedy)
 
     def _template(self, grammar: str) -> llg.LLMatcher:
         template = self._templates.get(grammar)
@@ -137,9 +172,10 @@ class GrammarMask:
     queued: on a GPU, unless something earlier in the step waited for the device
     (e.g. penalties), llguidance's CPU work overlaps the model's kernels."""
 
-    def __init__(self, rows: list[int], grammars: list[SequenceGrammar]):
+    def __init__(self, rows: list[int], grammars: list[SequenceGrammar], plans: PlanMaker | None):
         self.rows = rows
         self.grammars = grammars
+        self.plans = plans
 
     def __call__(self, logits: torch.Tensor) -> None:
         """logits [B, V] float32, modified in place; V is the vocabulary size the
@@ -168,6 +204,9 @@ class GrammarMask:
         else:
             index = torch.tensor(self.rows, device=logits.device)  # [R]
             logits.index_add_(0, index, bias)
+        for row, g in zip(self.rows, self.grammars):
+            if g.budget is not None and not g.failed:
+                g.budget.restrict(self.plans, logits[row])
 
 
 @functools.cache

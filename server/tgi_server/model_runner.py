@@ -201,6 +201,7 @@ class ModelRunner:
                 gen.token_id = result.token_ids[i]
                 gen.logprob = result.logprobs[i]
                 gen.top_tokens.extend(pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in result.top_tokens[i])
+                gen.grammar_complete = seq.grammar is not None and seq.grammar.complete
         for seq, first, count in batch.prompt_rows:
             out[seq.id].prefill_tokens.extend(self._prompt_tokens(seq, logits[first:first + count]))
         return out

@@ -120,7 +120,7 @@ class SequenceTable:
         # Grammars compile only once the tokens they consume are known to be valid.
         for (seq, tokens, _, _), n in zip(staged[len(request.running):], request.new_sequences):
             if n.parameters.grammar and self.samples:
-                seq.grammar = self._grammar(seq.id, n.parameters.grammar, tokens[seq.prompt_length:])
+                seq.grammar = self._grammar(seq.id, n.parameters, tokens[seq.prompt_length:])
         return staged
 
     def _delta(self, r: pb.RunningSequence):
@@ -133,12 +133,12 @@ class SequenceTable:
             params=params_from_proto(n.parameters), prefill_logprobs=n.parameters.prefill_logprobs)
         return seq, list(n.token_ids), list(n.block_table), n.num_scheduled_tokens
 
-    def _grammar(self, seq_id: int, grammar: str, generated: list[int]) -> SequenceGrammar:
+    def _grammar(self, seq_id: int, p: pb.SamplingParameters, generated: list[int]) -> SequenceGrammar:
         """The grammar's state after `generated` (a re-sent preempted sequence's tokens)."""
         if self.grammars is None:
             raise StepError(f"sequence {seq_id}: this shard has no tokenizer, so it cannot apply a grammar")
         try:
-            return self.grammars.start(seq_id, grammar, generated)
+            return self.grammars.start(seq_id, p.grammar, generated, p.max_new_tokens, greedy=not p.do_sample)
         except GrammarError as err:
             raise StepError(f"sequence {seq_id}: {err}") from None
 

@@ -13,8 +13,8 @@ import pytest
 
 from tgi_router import grammar as grammar_module
 from tgi_router.errors import ValidationError, error_response
-from tgi_router.grammar import (JSON_OPTIONS, ValidGrammar, closed_schema,
-                                json_grammar, lark_grammar, regex_grammar)
+from tgi_router.grammar import (INTEGER_RANGE, JSON_OPTIONS, NUMBER_RANGE, NUMBER_STEP, ValidGrammar,
+                                bounded_numbers, closed_schema, json_grammar, lark_grammar, regex_grammar)
 
 # --------------------------------------------------------------- matcher
 
@@ -43,7 +43,7 @@ def test_json_grammar_carries_the_schema_and_compact_options():
     assert json.loads(valid.source) == schema and " " not in valid.source
     [g] = grammars_of(valid)
     assert g["json_schema"]["x-guidance"] == JSON_OPTIONS
-    assert {k: v for k, v in g["json_schema"].items() if k != "x-guidance"} == schema
+    assert {k: v for k, v in g["json_schema"].items() if k != "x-guidance"} == bounded_numbers(schema)
 
 
 def test_json_grammar_text_is_compact_json_with_one_space(accepts):
@@ -129,7 +129,7 @@ class _NoParse:
 def test_oversized_sources_are_refused_before_parsing(monkeypatch, build, source):
     monkeypatch.setattr(grammar_module, "_GRAMMAR_BYTES_MAX", 100)
     monkeypatch.setattr(grammar_module, "LLMatcher", _NoParse())
-    monkeypatch.setattr(grammar_module, "_problem", lambda text: pytest.fail("checked an oversized source"))
+    monkeypatch.setattr(grammar_module, "_analysis", lambda text: pytest.fail("checked an oversized source"))
     err = refused(build, source)
     assert err.detail == "grammar is not valid: longer than 100 characters"
 
@@ -154,10 +154,10 @@ def test_a_check_past_the_deadline_is_a_422_in_bounded_time(monkeypatch):
     def slow_problem(text):
         started.set()
         release.wait(10)
-        return ""
+        return "", None
 
     monkeypatch.setattr(grammar_module, "CHECK_TIMEOUT_S", 0.05)
-    monkeypatch.setattr(grammar_module, "_problem", slow_problem)
+    monkeypatch.setattr(grammar_module, "_analysis", slow_problem)
     try:
         t0 = time.monotonic()
         err = refused(regex_grammar, "[a-z]+ but never checked before")
@@ -170,7 +170,7 @@ def test_a_check_past_the_deadline_is_a_422_in_bounded_time(monkeypatch):
 
 
 def test_the_checker_reports_llguidances_problem(monkeypatch):
-    monkeypatch.setattr(grammar_module, "_problem", lambda text: "line one\n   ^ here\n")
+    monkeypatch.setattr(grammar_module, "_analysis", lambda text: ("line one\n   ^ here\n", None))
     assert refused(regex_grammar, "abc").detail == "grammar is not valid: line one ^ here"
 
 

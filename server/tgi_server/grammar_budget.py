@@ -1,0 +1,162 @@
+"""Finishing a constrained sequence within its token budget.
+
+A sequence under a grammar with `remaining` tokens still to generate keeps a
+*plan*: model tokens that complete the grammar from where it stands (a
+shortest completion in bytes, tgi_proto.grammar_walk, tokenized). The
+invariant is len(plan) <= remaining. Before a token is sampled the row's
+candidates are checked against it: a candidate t is allowed only when the
+grammar can still be completed from "after t" within remaining - 1 tokens,
+and the plan's first token always passes. So the output is complete when
+the budget runs out, whatever the model prefers.
+
+Which candidates are checked, so that the common step costs microseconds:
+- greedy rows: the argmax, then the next best while it fails (at most
+  `_TRIES`, then the plan's token): the token the sampler will take is
+  always checked.
+- sampling rows: nothing while the budget has `_NEAR` tokens of slack over
+  the plan (after the draw the plan is brought up to date; a single token
+  that lengthens the shortest completion by more than that slack cannot be
+  refused then, and is logged); within that slack, the `_TOP` most likely
+  tokens and the plan's first, and the draw is restricted to those that pass.
+
+A plan after a token is found cheaply when it can be: the old plan minus
+that token; the old plan itself (a letter inside a free string changes
+nothing); the old plan from one of its next few bytes on (a different
+digit, a different word); else a fresh walk."""
+
+import logging
+from dataclasses import dataclass
+
+import llguidance as llg
+import torch
+
+from tgi_proto.grammar_walk import WalkState
+
+__all__ = ["Budget", "Plan", "PlanMaker"]
+
+log = logging.getLogger("tgi_server")
+
+_TRIES = 8      # greedy rows: candidates checked before taking the plan's token
+_TOP = 4        # sampling rows near the end: candidates checked
+_NEAR = 8       # sampling rows: slack (tokens) under which candidates are checked
+_RESUME = 16    # bytes of the old plan to try resuming from
+_WALK_NODES = 400
+
+
+@dataclass
+class Plan:
+    """A completion from some state: its tokens, its bytes, and the walk
+    state it starts from (None when the grammar is complete or ended)."""
+    tokens: list[int]
+    data: bytes
+    state: WalkState | None
+
+
+class PlanMaker:
+    """Turns bytes into plans for one model's tokenizer."""
+
+    def __init__(self, tokenizer: llg.LLTokenizer, eos_token_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.eos = frozenset(eos_token_ids or tokenizer.eos_tokens)
+        self._bytes: dict[int, bytes | None] = {}
+
+    def token_bytes(self, token: int) -> bytes | None:
+        """The bytes a token writes; None for special tokens (EOS ends the text)."""
+        data = self._bytes.get(token, b"?")
+        if data == b"?":
+            data = None if token in self.eos or self.tokenizer.is_special_token(token) \
+                else self.tokenizer.decode_bytes([token])
+            self._bytes[token] = data
+        return data
+
+    def plan(self, state: WalkState, data: bytes) -> Plan:
+        return Plan(self.tokenizer.tokenize_bytes(data) if data else [], data, state)
+
+    def after(self, plan: Plan, token: int) -> Plan | None:
+        """A plan from the state after `token`, None when the grammar has no
+        completion from there that the walk finds."""
+        if plan.tokens and token == plan.tokens[0]:
+            state = plan.state.copy()
+            state.advance(self.token_bytes(token) or b"")
+            return Plan(plan.tokens[1:], plan.data[len(self.token_bytes(token) or b""):], state)
+        data = self.token_bytes(token)
+        if data is None:  # EOS: allowed by the grammar only once complete
+            return Plan([], b"", None)
+        state = plan.state.copy()
+        if not state.advance(data):
+            return None
+        if plan.data.startswith(data):
+            return self.plan(state, plan.data[len(data):])
+        for start in range(min(_RESUME, len(plan.data)) + 1):
+            if state.completes(plan.data[start:]):
+                return Plan(plan.tokens, plan.data, state) if start == 0 else self.plan(state, plan.data[start:])
+        found = state.shortest(_WALK_NODES)
+        return None if found is None else self.plan(state, found)
+
+
+class Budget:
+    """One constrained sequence's budget: tokens it may still generate, and its plan."""
+
+    def __init__(self, remaining: int, plan: Plan, greedy: bool):
+        self.remaining = remaining
+        self.plan = plan
+        self.greedy = greedy
+        self._checked: dict[int, Plan] = {}  # this step's candidates that fit
+        self._warned = False
+
+    def restrict(self, maker: PlanMaker, row: torch.Tensor) -> None:
+        """Before sampling: forbids in `row` ([V] float32 logits, grammar mask
+        applied) the candidates that would leave no completion within budget."""
+        self._checked = {}
+        if self.greedy:
+            for _ in range(_TRIES):
+                token = int(row.argmax())
+                if row[token] == float("-inf"):
+                    break
+                if self._fits(maker, token):
+                    return
+                row[token] = float("-inf")
+            self._only_plan(row)
+        elif self.remaining - len(self.plan.tokens) <= _NEAR:
+            top = torch.topk(row, min(_TOP, row.shape[0]))
+            keep = [int(t) for v, t in zip(top.values, top.indices)
+                    if v != float("-inf") and self._fits(maker, int(t))]
+            if self.plan.tokens:
+                self._fits(maker, self.plan.tokens[0])
+                keep.append(self.plan.tokens[0])
+            if keep:
+                values = row[keep].clone()
+                row.fill_(float("-inf"))
+                row[keep] = values
+
+    def advance(self, maker: PlanMaker, token: int) -> None:
+        """After sampling `token`."""
+        plan = self._checked.get(token) or maker.after(self.plan, token)
+        self.remaining -= 1
+        self._checked = {}
+        if plan is None or len(plan.tokens) > self.remaining:
+            if not self._warned:
+                self._warned = True
+                log.warning("a constrained sequence may not finish its grammar within max_new_tokens "
+                            "(%d tokens left, completion %s)", self.remaining,
+                            "unknown" if plan is None else f"{len(plan.tokens)} tokens")
+            if plan is None:
+                return
+        self.plan = plan
+
+    def _fits(self, maker: PlanMaker, token: int) -> bool:
+        if self.plan.state is None:  # complete: only EOS remains allowed by the grammar
+            return True
+        plan = maker.after(self.plan, token)
+        if plan is None or len(plan.tokens) > self.remaining - 1:
+            return False
+        self._checked[token] = plan
+        return True
+
+    def _only_plan(self, row: torch.Tensor) -> None:
+        if not self.plan.tokens:
+            return
+        token = self.plan.tokens[0]
+        keep = row[token].item()
+        row.fill_(float("-inf"))
+        row[token] = keep if keep != float("-inf") else 0.0
