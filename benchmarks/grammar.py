@@ -62,7 +62,9 @@ async def batch8_tokens_per_s(client: ShardClient, warm: pb.WarmupResponse, prom
     scheduler = Scheduler(BlockManager(warm.num_blocks, warm.block_size), max_batch_tokens=4096)
     engine = Engine(client, scheduler)
     for i, p in enumerate(prompts):
-        scheduler.add(Sequence(id=i + 1, token_ids=list(p), params=pb.SamplingParameters(grammar=grammar, max_new_tokens=NEW_TOKENS),
+        # max_new_tokens as the router sends it: the constrained run keeps budgets too.
+        params = pb.SamplingParameters(grammar=grammar, max_new_tokens=NEW_TOKENS)
+        scheduler.add(Sequence(id=i + 1, token_ids=list(p), params=params,
                                stopping=StoppingCriteria(NEW_TOKENS, eos, ignore_eos=True)))
     tokens, seconds, steps = 0, 0.0, 0
     while scheduler.has_work():
