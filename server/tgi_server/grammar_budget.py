@@ -13,11 +13,11 @@ Which candidates are checked, so that the common step costs microseconds:
 - greedy rows: the argmax, then the next best while it fails (at most
   `_TRIES`, then the plan's token): the token the sampler will take is
   always checked.
-- sampling rows: nothing while the budget has `_NEAR` tokens of slack over
-  the plan (after the draw the plan is brought up to date; a single token
-  that lengthens the shortest completion by more than that slack cannot be
-  refused then, and is logged); within that slack, the `_TOP` most likely
+- sampling rows: within `_NEAR` tokens of slack, the `_TOP` most likely
   tokens and the plan's first, and the draw is restricted to those that pass.
+- no row while the slack exceeds `_FAR` tokens. A single token that
+  lengthens the shortest completion by more than the slack left unchecked
+  cannot be refused; that is logged (once per sequence).
 
 A plan after a token is found cheaply when it can be: the old plan minus
 that token; the old plan itself (a letter inside a free string changes
@@ -40,7 +40,9 @@ _TRIES = 8      # greedy rows: candidates checked before taking the plan's token
 _TOP = 4        # sampling rows near the end: candidates checked
 _NEAR = 8       # sampling rows: slack (tokens) under which candidates are checked
 _RESUME = 16    # bytes of the old plan to try resuming from
-_WALK_NODES = 400
+_WALK_NODES = 0  # per-step walks: the greedy dive alone (tgi_proto.grammar_walk)
+_FAR = 32       # slack (tokens) beyond which no candidate is checked and the plan is refreshed lazily
+_REFRESH = 8    # far from the end: tokens between plan refreshes
 
 
 @dataclass
@@ -95,12 +97,20 @@ class PlanMaker:
 
 
 class Budget:
-    """One constrained sequence's budget: tokens it may still generate, and its plan."""
+    """One constrained sequence's budget: tokens it may still generate, and its plan.
+
+    Far from the end (more than `_FAR` tokens of slack) the plan is refreshed
+    only every `_REFRESH` tokens, by a fresh walk from where the sequence
+    stands: keeping it exact costs a walk whenever the text leaves it, which
+    is most tokens of free text."""
 
     def __init__(self, remaining: int, plan: Plan, greedy: bool):
         self.remaining = remaining
-        self.plan = plan
+        self.plan: Plan | None = plan  # None: stale; self.state is where the sequence stands
+        self.state = plan.state
+        self.estimate = len(plan.tokens)  # the plan's length when last known
         self.greedy = greedy
+        self._stale_steps = 0
         self._checked: dict[int, Plan] = {}  # this step's candidates that fit
         self._warned = False
 
@@ -108,6 +118,10 @@ class Budget:
         """Before sampling: forbids in `row` ([V] float32 logits, grammar mask
         applied) the candidates that would leave no completion within budget."""
         self._checked = {}
+        if self.state is None or self.remaining - self.estimate > _FAR:
+            return
+        if self.plan is None and not self._refresh(maker):
+            return
         if self.greedy:
             for _ in range(_TRIES):
                 token = int(row.argmax())
@@ -131,8 +145,19 @@ class Budget:
 
     def advance(self, maker: PlanMaker, token: int) -> None:
         """After sampling `token`."""
-        plan = self._checked.get(token) or maker.after(self.plan, token)
         self.remaining -= 1
+        if self.state is None:
+            return
+        if self.plan is None or self.remaining - self.estimate > _FAR:
+            data = maker.token_bytes(token)
+            if data is None or not self.state.advance(data):
+                self.state = None  # ended (EOS) or left the grammar: nothing to plan
+                return
+            self.plan, self._stale_steps = None, self._stale_steps + 1
+            if self._stale_steps >= _REFRESH:
+                self._refresh(maker)
+            return
+        plan = self._checked.get(token) or maker.after(self.plan, token)
         self._checked = {}
         if plan is None or len(plan.tokens) > self.remaining:
             if not self._warned:
@@ -141,8 +166,18 @@ class Budget:
                             "(%d tokens left, completion %s)", self.remaining,
                             "unknown" if plan is None else f"{len(plan.tokens)} tokens")
             if plan is None:
+                self.state = None
                 return
-        self.plan = plan
+        self.plan, self.state, self.estimate = plan, plan.state, len(plan.tokens)
+
+    def _refresh(self, maker: PlanMaker) -> bool:
+        found = self.state.shortest()
+        self._stale_steps = 0
+        if found is None:
+            return False
+        self.plan = maker.plan(self.state, found)
+        self.estimate = len(self.plan.tokens)
+        return True
 
     def _fits(self, maker: PlanMaker, token: int) -> bool:
         if self.plan.state is None:  # complete: only EOS remains allowed by the grammar
