@@ -3,9 +3,12 @@
 SmolLM2-135M-Instruct on 2 threads, in the dtype the shard chooses on this
 CPU (machine.serving_dtype), the shard in its own process
 driven by the router's engine (as in production). Eight chat prompts ask
-for JSON; they run once unconstrained and once under a JSON Schema (an
-array of at least 10 objects, so every sequence stays in the grammar for
-well over 100 tokens). Tokens/s counts only decode steps with all 8
+for JSON; they run unconstrained, under a JSON Schema (an array of at least
+10 objects, so every sequence stays in the grammar for well over 100
+tokens) as the router sends it (numbers bounded, max_new_tokens 160, so the
+shard keeps each sequence able to finish: its shortest completion is ~120
+tokens at the start, so budgets are checked most of the run), and under the
+same schema as before budgets existed (unbounded, no max_new_tokens). Tokens/s counts only decode steps with all 8
 sequences running, so both runs measure the same thing: the time of a
 batch-8 step, grammar masks (computed by llguidance for the 8 rows, then
 applied to the logits) included or not. Runs alternate and each side
@@ -17,12 +20,13 @@ import tempfile
 import time
 
 import torch
+from llguidance import LLMatcher
 
 from tgi_proto import pb
 from tgi_router.block_manager import BlockManager
 from tgi_router.client import ShardClient
 from tgi_router.engine import Engine
-from tgi_router.grammar import json_grammar
+from tgi_router.grammar import JSON_OPTIONS, json_grammar
 from tgi_router.scheduler import Scheduler
 from tgi_router.sequence import Sequence, StoppingCriteria
 from tgi_server.weights.gguf import load_gguf_tokenizer
@@ -57,13 +61,13 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 async def batch8_tokens_per_s(client: ShardClient, warm: pb.WarmupResponse, prompts: list[list[int]],
-                              grammar: str, eos: frozenset[int]) -> tuple[float, int]:
-    """(tokens/s over steps with all BATCH sequences decoding, such steps)."""
+                              grammar: str, budget: int, eos: frozenset[int]) -> tuple[float, int]:
+    """(tokens/s over steps with all BATCH sequences decoding, such steps).
+    budget: the max_new_tokens the shard is told (0: none, no budget kept)."""
     scheduler = Scheduler(BlockManager(warm.num_blocks, warm.block_size), max_batch_tokens=4096)
     engine = Engine(client, scheduler)
     for i, p in enumerate(prompts):
-        # max_new_tokens as the router sends it: the constrained run keeps budgets too.
-        params = pb.SamplingParameters(grammar=grammar, max_new_tokens=NEW_TOKENS)
+        params = pb.SamplingParameters(grammar=grammar, max_new_tokens=budget)
         scheduler.add(Sequence(id=i + 1, token_ids=list(p), params=params,
                                stopping=StoppingCriteria(NEW_TOKENS, eos, ignore_eos=True)))
     tokens, seconds, steps = 0, 0.0, 0
@@ -79,17 +83,22 @@ async def batch8_tokens_per_s(client: ShardClient, warm: pb.WarmupResponse, prom
 
 
 async def drive(socket: str, ids: list[list[int]], eos: frozenset[int]) -> dict:
-    grammar = json_grammar(SCHEMA).text
+    """Best (tokens/s, steps) of each run: free; constrained as the router sends
+    it (bounded numbers, max_new_tokens, so the shard keeps budgets); and
+    constrained as before budgets existed (the schema as given, no budget)."""
+    runs = {"free": ("", 0), "constrained": (json_grammar(SCHEMA).text, NEW_TOKENS),
+            "unbudgeted": (LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA), overrides=JSON_OPTIONS), 0)}
     client = ShardClient([socket], timeout=600)
     try:
         await client.wait_ready(180)
         warm = await client.warmup(4096, BATCH, kv_cache_bytes=1 << 30)
-        await batch8_tokens_per_s(client, warm, ids, grammar, eos)  # compile, first-call costs
-        free, constrained = [], []
+        for grammar, budget in runs.values():  # compile, first-call costs
+            await batch8_tokens_per_s(client, warm, ids, grammar, budget, eos)
+        results: dict[str, list] = {name: [] for name in runs}
         for _ in range(REPEATS):
-            free.append(await batch8_tokens_per_s(client, warm, ids, "", eos))
-            constrained.append(await batch8_tokens_per_s(client, warm, ids, grammar, eos))
-        return {"free": max(free), "constrained": max(constrained)}
+            for name, (grammar, budget) in runs.items():
+                results[name].append(await batch8_tokens_per_s(client, warm, ids, grammar, budget, eos))
+        return {name: max(r) for name, r in results.items()}
     finally:
         await client.close()
 
@@ -108,11 +117,15 @@ def run() -> dict:
             shard.terminate()
             shard.wait(30)
     (free, free_steps), (constrained, constrained_steps) = r["free"], r["constrained"]
+    unbudgeted, unbudgeted_steps = r["unbudgeted"]
     ratio = constrained / free
     print(f"\nGrammar benchmark: SmolLM2-135M {dtype_name(serving_dtype())}, {THREADS} threads, batch {BATCH}, "
           f"JSON Schema {json.dumps(SCHEMA)[:60]}...")
     print(f"{'':<28}{'tok/s (b8 decode)':>20}{'steps':>8}{'vs free':>10}")
     print(f"{'unconstrained':<28}{free:>20.1f}{free_steps:>8}{1.0:>10.2f}")
     print(f"{'JSON Schema grammar':<28}{constrained:>20.1f}{constrained_steps:>8}{ratio:>10.2f}")
+    print(f"{'  without budgets (before)':<28}{unbudgeted:>20.1f}{unbudgeted_steps:>8}{unbudgeted / free:>10.2f}")
     return {"grammar_b8_free_tok_s": round(free, 1), "grammar_b8_constrained_tok_s": round(constrained, 1),
-            "grammar_b8_tokens_per_s_ratio": round(ratio, 3)}
+            "grammar_b8_tokens_per_s_ratio": round(ratio, 3),
+            "grammar_b8_unbudgeted_tok_s": round(unbudgeted, 1),
+            "grammar_b8_unbudgeted_ratio": round(unbudgeted / free, 3)}

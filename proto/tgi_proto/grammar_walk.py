@@ -6,24 +6,31 @@ whose max_new_tokens cannot hold the shortest valid output, the shard keeps
 every constrained sequence able to finish within what remains of its budget.
 Both must compute the same lengths, so both use this module.
 
-The walk is a best-first search over byte strings. A matcher compiled
-against a 257-token vocabulary (the 256 bytes and an end token) answers
-which bytes may come next in a few microseconds, and forced runs
-(`compute_ff_bytes`) advance in one move. Matcher states are opaque, so the
-search cannot recognise a state it has seen; two rules keep it small:
+A matcher compiled against a 257-token vocabulary (the 256 bytes and an end
+token) answers which bytes may come next in a few microseconds, and forced
+runs (`compute_ff_bytes`) advance in one move. Matcher states are opaque, so
+a walk cannot recognise a state it has seen; three rules keep it small:
 
 - Siblings that leave the matcher with the same next-byte mask and forced
   run are one move (all letters inside a free string), and only a few
   representatives of each character class are tried when many are allowed.
 - A move back to a (mask, JSON position) already on the path is a loop (one
-  more letter, digit or array item) and costs a penalty that outweighs any
-  length, unless every move from there loops (a counted repetition such as
-  `[0-9]{5}` or a minLength). The search therefore finds the shortest
-  completion among those with the fewest loops; that is the shortest for
-  the schemas and patterns tested, and always a valid completion.
+  more letter, digit or escape at the same key or item) and costs a penalty
+  that outweighs any length, unless every move from there loops (a counted
+  repetition such as `[0-9]{5}` or a minLength). A JSON position names the
+  key or item index of every open container, so a required key or a
+  minItems item is progress, not a loop.
+- For JSON grammars the number of open strings and containers, each of
+  which needs a closing byte, is an admissible estimate of what remains.
 
-For JSON grammars the number of open strings and containers, each of which
-needs at least one closing byte, is an admissible estimate of what remains.
+`WalkState.shortest` first dives greedily (at each step the move that loops
+least, leaves fewest closers and may end soonest): a few milliseconds even
+for a 370-byte completion, what the shard runs per step. Given a node budget
+it then searches best-first, pruned at the dive's length, for a shorter one:
+what the router and the shard run once per grammar for its minimum. The
+result is the shortest among completions with the fewest loops when the
+search finishes (it did for every schema, pattern and tool set tested), a
+valid completion always.
 """
 
 import functools

@@ -77,14 +77,13 @@ class PlanMaker:
     def after(self, plan: Plan, token: int) -> Plan | None:
         """A plan from the state after `token`, None when the grammar has no
         completion from there that the walk finds."""
-        if plan.tokens and token == plan.tokens[0]:
-            state = plan.state.copy()
-            state.advance(self.token_bytes(token) or b"")
-            return Plan(plan.tokens[1:], plan.data[len(self.token_bytes(token) or b""):], state)
         data = self.token_bytes(token)
         if data is None:  # EOS: allowed by the grammar only once complete
             return Plan([], b"", None)
         state = plan.state.copy()
+        if plan.tokens and token == plan.tokens[0]:  # the plan's own token: its rest follows
+            state.advance(data)
+            return Plan(plan.tokens[1:], plan.data[len(data):], state)
         if not state.advance(data):
             return None
         if plan.data.startswith(data):
@@ -130,15 +129,15 @@ class Budget:
                 if self._fits(maker, token):
                     return
                 row[token] = float("-inf")
-            self._only_plan(row)
+            self._only_plan(maker, row)
         elif self.remaining - len(self.plan.tokens) <= _NEAR:
             top = torch.topk(row, min(_TOP, row.shape[0]))
             keep = [int(t) for v, t in zip(top.values, top.indices)
                     if v != float("-inf") and self._fits(maker, int(t))]
-            if self.plan.tokens:
-                self._fits(maker, self.plan.tokens[0])
-                keep.append(self.plan.tokens[0])
-            if keep:
+            if not keep:
+                self._only_plan(maker, row)
+            else:
+                keep.extend(self._plan_next(maker, row))
                 values = row[keep].clone()
                 row.fill_(float("-inf"))
                 row[keep] = values
@@ -188,10 +187,21 @@ class Budget:
         self._checked[token] = plan
         return True
 
-    def _only_plan(self, row: torch.Tensor) -> None:
-        if not self.plan.tokens:
+    def _plan_next(self, maker: PlanMaker, row: torch.Tensor) -> list[int]:
+        """The tokens that surely fit: the plan's next, or the EOS tokens the
+        grammar allows once it is complete."""
+        if self.plan.tokens:
+            self._fits(maker, self.plan.tokens[0])
+            return [self.plan.tokens[0]]
+        return [t for t in maker.eos if t < row.shape[0] and row[t] != float("-inf")]
+
+    def _only_plan(self, maker: PlanMaker, row: torch.Tensor) -> None:
+        """Leaves `row` only the tokens that surely fit."""
+        keep = self._plan_next(maker, row)
+        if not keep:
             return
-        token = self.plan.tokens[0]
-        keep = row[token].item()
+        values = row[keep].clone()
         row.fill_(float("-inf"))
-        row[token] = keep if keep != float("-inf") else 0.0
+        # The plan's token is allowed by the grammar (its bytes complete it); should
+        # llguidance's mask disagree, the plan still wins: it is the budget's guarantee.
+        row[keep] = torch.where(values == float("-inf"), 0.0, values)

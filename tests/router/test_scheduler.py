@@ -105,6 +105,19 @@ def test_length_wins_over_eos_on_the_last_token():
     assert a.finish_reason is FinishReason.LENGTH
 
 
+@pytest.mark.parametrize("complete, reason", [(True, FinishReason.EOS_TOKEN), (False, FinishReason.LENGTH)])
+def test_a_grammar_completed_by_the_last_token_is_an_end_not_a_cut(complete, reason):
+    s = Scheduler(BlockManager(8, 4), max_batch_tokens=64)
+    a = seq(1, 3, max_new=1)
+    s.add(a)
+    step = s.schedule()
+    s.to_request(step, 1)
+    response = answer(step, token=9)
+    response.generations[0].grammar_complete = complete
+    s.update(step, response)
+    assert a.finish_reason is reason
+
+
 def test_preemption_frees_the_latest_and_recomputes_it_later():
     bm = BlockManager(4, 4)
     s = Scheduler(bm, max_batch_tokens=64)

@@ -15,6 +15,8 @@ from tokenizers import Tokenizer
 
 from tgi_proto import pb
 from tgi_router.client import ShardClient, ShardError
+from tgi_router.grammar import json_grammar
+from tgi_router.sequence import FinishReason
 from tgi_server.grammar import GrammarCompiler
 from tgi_server.sequences import StepError
 
@@ -80,15 +82,16 @@ def text_before_eos(tokenizer: Tokenizer, tokens: list[int]) -> str:
 
 def step_alone(runner, seq_id: int, prompt: list[int], params: pb.SamplingParameters,
                generated: list[int] = ()) -> list[int]:
-    """Drives one sequence directly on the runner until EOS: sent in full first
-    (prompt, then `generated` as a preempted sequence is re-sent), then one
-    token per step. Returns generated + the new tokens."""
+    """Drives one sequence directly on the runner until EOS (or its
+    max_new_tokens): sent in full first (prompt, then `generated` as a
+    preempted sequence is re-sent), then one token per step. Returns
+    generated + the new tokens."""
     tokens = list(prompt) + list(generated)
     step = pb.StepRequest(new_sequences=[pb.NewSequence(
         id=seq_id, token_ids=tokens, prompt_length=len(prompt), num_scheduled_tokens=len(tokens),
         block_table=list(range(16)), parameters=params)])
     out = list(generated)
-    while not out or out[-1] != EOS:
+    while (not out or out[-1] != EOS) and len(out) < (params.max_new_tokens or MAX_NEW + 1):
         assert len(out) < MAX_NEW
         gen = runner.step(step).generations[0]
         out.append(gen.token_id)
@@ -225,3 +228,43 @@ def test_the_template_cache_evicts_the_least_recently_used(model_path, monkeypat
     for i in (0, 1, 0, 2, 0, 1):  # "b+" is the least recently used when "c+" arrives
         compiler.start(i, grammars[i], [])
     assert compiled == [grammars[0], grammars[1], grammars[2], grammars[1]]
+
+
+OPEN_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "count": {"type": "integer"}, "ratio": {"type": "number"},
+    "tags": {"type": "array", "items": {"type": "string"}},
+    "nested": {"type": "object", "properties": {"deep": {"type": "array", "items": {"type": "integer"}}},
+               "required": ["deep"]}},
+    "required": ["name", "count", "ratio", "tags", "nested"]}
+
+
+@pytest.mark.parametrize("extra", [0, 3, 17])
+def test_a_budget_ends_an_unbounded_schema_complete(shard, tokenizer, extra):
+    """A random model writes digits and letters for ever; with max_new_tokens
+    at the shortest output (one token per byte here) plus `extra`, every
+    answer is a complete, valid document, whether or not EOS fitted."""
+    grammar = json_grammar(OPEN_SCHEMA)
+    budget = len(grammar.shortest.encode()) + extra
+    params = [pb.SamplingParameters(grammar=grammar.text, max_new_tokens=budget)] + [
+        pb.SamplingParameters(do_sample=True, temperature=1.0, seed=seed, grammar=grammar.text,
+                              max_new_tokens=budget) for seed in range(5)]
+    seqs = asyncio.run(run_prompts(shard.socket, PROMPTS, budget, params=params, stop_ids=(EOS,)))
+    for seq in seqs:
+        tokens = seq.generated_ids
+        assert len(tokens) <= budget
+        text = tokenizer.decode(tokens[:-1] if tokens[-1] == EOS else tokens)
+        jsonschema.validate(json.loads(text), OPEN_SCHEMA)
+        assert seq.finish_reason is FinishReason.EOS_TOKEN
+
+
+def test_resent_sequence_keeps_its_budget(shard, tokenizer):
+    """A preempted sequence re-sent with its generated tokens replays its budget
+    too: the same tokens follow, and the text is complete at max_new_tokens."""
+    warm(shard.runner)
+    grammar = json_grammar(OPEN_SCHEMA)
+    params = pb.SamplingParameters(do_sample=True, temperature=1.0, seed=5, grammar=grammar.text,
+                                   max_new_tokens=len(grammar.shortest.encode()) + 5)
+    whole = step_alone(shard.runner, 1, PROMPTS[0], params)
+    jsonschema.validate(json.loads(tokenizer.decode([t for t in whole if t != EOS])), OPEN_SCHEMA)
+    for cut in (1, len(whole) // 2, len(whole) - 2):
+        assert step_alone(shard.runner, 2, PROMPTS[0], params, whole[:cut]) == whole
