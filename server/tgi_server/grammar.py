@@ -112,6 +112,12 @@ class GrammarCompiler:
         """The logits processor that masks batch row rows[i] with grammars[i]."""
         return GrammarMask(list(rows), list(grammars), self._plans)
 
+    def settle(self, chosen: Sequence[tuple[SequenceGrammar, int]]) -> list[int]:
+        """The tokens to keep for each (grammar, sampled token): the token, or one
+        its budget puts in its place (Budget.settle)."""
+        return [g.budget.settle(self._plans, token) if g.budget is not None and not g.failed else token
+                for g, token in chosen]
+
     def consume(self, chosen: Sequence[tuple[SequenceGrammar, int]]) -> None:
         """Advances each (grammar, sampled token) by its token."""
         live = [(g, token) for g, token in chosen if not g.failed]

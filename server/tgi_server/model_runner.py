@@ -194,6 +194,14 @@ class ModelRunner:
                 sample_logits, [s.params for s in sampling],
                 [s.token_ids for s in sampling], [s.prompt_length for s in sampling], processors)
             if constrained:
+                settled = self.grammars.settle([(sampling[i].grammar, result.token_ids[i]) for i in constrained])
+                for i, token in zip(constrained, settled):
+                    if token != result.token_ids[i]:
+                        # A budget replaced the draw (rare, see grammar_budget.py): the
+                        # replacement's logprob is under the model's own logits, before
+                        # penalties, mask and warpers (the sampler leaves them untouched).
+                        result.token_ids[i] = token
+                        result.logprobs[i] = torch.log_softmax(sample_logits[i].float(), -1)[token].item()
                 self.grammars.consume([(sampling[i].grammar, result.token_ids[i]) for i in constrained])
             for i, seq in enumerate(sampling):
                 gen = out[seq.id]

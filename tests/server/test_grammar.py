@@ -18,6 +18,7 @@ from tgi_router.client import ShardClient, ShardError
 from tgi_router.grammar import json_grammar
 from tgi_router.sequence import FinishReason
 from tgi_server.grammar import GrammarCompiler
+from tgi_server.grammar_budget import Budget
 from tgi_server.sequences import StepError
 
 from ..shard_harness import InProcessShard, run_prompts, save_tiny_model, save_tiny_served_model
@@ -268,3 +269,37 @@ def test_resent_sequence_keeps_its_budget(shard, tokenizer):
     jsonschema.validate(json.loads(tokenizer.decode([t for t in whole if t != EOS])), OPEN_SCHEMA)
     for cut in (1, len(whole) // 2, len(whole) - 2):
         assert step_alone(shard.runner, 2, PROMPTS[0], params, whole[:cut]) == whole
+
+
+OPTIONAL_SCHEMA = {"type": "object", "properties": {
+    "a": {"enum": ["x"]},
+    "opt": {"type": "object", "properties": {k: {"type": "string"} for k in ("p", "q", "r", "s", "t")},
+            "required": ["p", "q", "r", "s", "t"]}},
+    "required": ["a"], "additionalProperties": False}
+
+
+def test_a_sampled_key_that_would_overrun_the_budget_is_replaced(shard, tokenizer, monkeypatch):
+    """After the forced '{"a": "x"' the draw is ',' (committing to "opt", 40
+    bytes, tokens here, of required value at once) or '}', with 21 tokens
+    left: a ',' is replaced by the plan's '}', so every answer is complete."""
+    replaced = []
+    settle = Budget.settle
+
+    def counting(self, maker, token):
+        kept = settle(self, maker, token)
+        replaced.extend([token] if kept != token else [])
+        return kept
+
+    monkeypatch.setattr(Budget, "settle", counting)
+    grammar = json_grammar(OPTIONAL_SCHEMA)
+    budget = len(grammar.shortest.encode()) + 20
+    seeds = range(24)
+    params = [pb.SamplingParameters(do_sample=True, temperature=1.5, seed=seed, grammar=grammar.text,
+                                    max_new_tokens=budget) for seed in seeds]
+    seqs = asyncio.run(run_prompts(shard.socket, [PROMPTS[s % len(PROMPTS)] for s in seeds], budget,
+                                   params=params, stop_ids=(EOS,)))
+    for seq in seqs:
+        tokens = seq.generated_ids
+        jsonschema.validate(json.loads(tokenizer.decode(tokens[:-1] if tokens[-1] == EOS else tokens)),
+                            OPTIONAL_SCHEMA)
+    assert replaced  # the rule was needed, not just present
