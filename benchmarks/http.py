@@ -5,6 +5,7 @@ shard chooses on this CPU), with the transformers one-at-a-time baseline
 router) measured in the same run."""
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -45,15 +46,22 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: str) -> dict:
     return {"times": times, "error": error or (None if r.status_code == 200 else r.status_code)}
 
 
-async def load(url: str, prompts: list[str], concurrency: int) -> dict:
+async def gather_limited(run, items: list, concurrency: int) -> tuple[list, float]:
+    """(await run(item) for every item, at most `concurrency` at once, in
+    order; the seconds they took together)."""
     sem = asyncio.Semaphore(concurrency)
+
+    async def one(item):
+        async with sem:
+            return await run(item)
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(item) for item in items))
+    return results, time.perf_counter() - start
+
+
+async def load(url: str, prompts: list[str], concurrency: int) -> dict:
     async with httpx.AsyncClient(timeout=600) as client:
-        async def run(p):
-            async with sem:
-                return await _one(client, url, p)
-        start = time.perf_counter()
-        results = await asyncio.gather(*(run(p) for p in prompts))
-        elapsed = time.perf_counter() - start
+        results, elapsed = await gather_limited(lambda p: _one(client, url, p), prompts, concurrency)
     tokens = sum(len(r["times"]) for r in results)
     ttft = sorted(r["times"][0] for r in results if r["times"])
     itl = sorted(b - a for r in results for a, b in zip(r["times"], r["times"][1:]))
@@ -72,6 +80,21 @@ def _launch(port: int, tmp: str) -> subprocess.Popen:
          "--shard-uds-path", f"{tmp}/shard", "--num-threads", str(engine_bench.THREADS),
          "--kv-cache-bytes", str(1 << 30), "--max-concurrent-requests", "256"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+@contextlib.contextmanager
+def launched(tmp: str):
+    """The real launcher on a free port, its shard sockets in `tmp`; yields its
+    URL once healthy, stops it on exit."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _launch(port, tmp)
+    try:
+        _wait_healthy(url, proc)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -96,18 +119,11 @@ def run() -> dict:
     del model
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        proc = _launch(port, tmp)
-        try:
-            _wait_healthy(url, proc)
+        with launched(tmp) as url:
             asyncio.run(load(url, prompts[:2], 2))  # warm up
             for c, n in LOADS:
                 runs = [asyncio.run(load(url, prompts[:n], c)) for _ in range(engine_bench.REPEATS)]
                 results[c] = max(runs, key=lambda r: r["tok_s"])
-        finally:
-            proc.terminate()
-            proc.wait(60)
         shard = engine_bench.start_shard(path, tmp)
         try:
             engine_b1 = asyncio.run(_engine_b1(f"{tmp}/shard-0", prompt_ids[:1]))

@@ -14,12 +14,11 @@ import asyncio
 import json
 import re
 import tempfile
-import time
 
 import httpx
 import jsonschema
 
-from .http import _free_port, _launch, _wait_healthy
+from .http import gather_limited, launched
 from .machine import dtype_name, serving_dtype
 
 FACTORS = (1.0, 1.5, 2.0, 2.5, 3.0)
@@ -181,31 +180,15 @@ async def _run_case(client, url, case: dict) -> dict:
 async def drive(url: str) -> dict:
     async with httpx.AsyncClient(timeout=600) as client:
         cases = await _json_cases(client, url) + await _regex_cases(client, url) + await _tool_cases(client, url)
-        gate = asyncio.Semaphore(CONCURRENCY)
-
-        async def one(case):
-            async with gate:
-                return await _run_case(client, url, case)
-
-        start = time.perf_counter()
-        results = await asyncio.gather(*(one(c) for c in cases))
-        seconds = time.perf_counter() - start
+        results, seconds = await gather_limited(lambda case: _run_case(client, url, case), cases, CONCURRENCY)
         below = await client.post(url + "/generate", json={"inputs": JSON_PROMPTS[0], "parameters": {
             "max_new_tokens": cases[0]["minimum"] - 1, "grammar": cases[0]["grammar"]}})
     return {"results": results, "seconds": seconds, "below": below}
 
 
 def run() -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        proc = _launch(port, tmp)
-        try:
-            _wait_healthy(url, proc)
-            out = asyncio.run(drive(url))
-        finally:
-            proc.terminate()
-            proc.wait(30)
+    with tempfile.TemporaryDirectory() as tmp, launched(tmp) as url:
+        out = asyncio.run(drive(url))
     results = out["results"]
     print(f"Structured output within max_new_tokens: SmolLM2 over HTTP, {dtype_name(serving_dtype())}, "
           f"{len(results)} requests in {out['seconds']:.1f} s")

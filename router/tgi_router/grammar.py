@@ -81,53 +81,55 @@ def bounded_numbers(schema):
     """`schema` with INTEGER_RANGE on every `integer` and NUMBER_RANGE and
     NUMBER_STEP on every `number` where the schema gives no bound (or step)
     of its own: unbounded, a small model can write digits until max_new_tokens."""
-    if isinstance(schema, list):
-        return [bounded_numbers(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for key, value in schema.items():
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: bounded_numbers(s) for name, s in value.items()}
-        elif key in _LITERALS:
-            out[key] = value
-        else:
-            out[key] = bounded_numbers(value)
-    types = out.get("type")
-    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
-    if "number" in types:
-        low, high = NUMBER_RANGE
-        out.setdefault("multipleOf", NUMBER_STEP)
-    elif "integer" in types:
-        low, high = INTEGER_RANGE
-    else:
-        return out
-    if not any(k in out for k in _LOWER):
-        out["minimum"] = low
-    if not any(k in out for k in _UPPER):
-        out["maximum"] = high
-    return out
+    return _each_schema(schema, _bounded)
 
 
 def closed_schema(schema):
     """`schema` with `additionalProperties: false` on every object schema that
     lists properties and says nothing of others: OpenAI's strict mode. Without
     it JSON Schema admits any extra key, and small models invent some."""
+    return _each_schema(schema, _closed)
+
+
+def _each_schema(schema, fix):
+    """`schema` rebuilt with fix() applied to every schema object in it,
+    innermost first; literal values (const, enum, ...) are left as they are."""
     if isinstance(schema, list):
-        return [closed_schema(s) for s in schema]
+        return [_each_schema(s, fix) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = {}
     for key, value in schema.items():
         if key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: closed_schema(s) for name, s in value.items()}
+            out[key] = {name: _each_schema(s, fix) for name, s in value.items()}
         elif key in _LITERALS:
             out[key] = value
         else:
-            out[key] = closed_schema(value)
-    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
+            out[key] = _each_schema(value, fix)
+    return fix(out)
+
+
+def _bounded(schema: dict) -> dict:
+    types = schema.get("type")
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+    if "number" in types:
+        low, high = NUMBER_RANGE
+        schema.setdefault("multipleOf", NUMBER_STEP)
+    elif "integer" in types:
+        low, high = INTEGER_RANGE
+    else:
+        return schema
+    if not any(k in schema for k in _LOWER):
+        schema["minimum"] = low
+    if not any(k in schema for k in _UPPER):
+        schema["maximum"] = high
+    return schema
+
+
+def _closed(schema: dict) -> dict:
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema:
+        schema["additionalProperties"] = False
+    return schema
 
 
 def regex_grammar(pattern: str) -> ValidGrammar:
