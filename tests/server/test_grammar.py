@@ -279,7 +279,7 @@ OPTIONAL_SCHEMA = {"type": "object", "properties": {
 
 
 def test_a_sampled_key_that_would_overrun_the_budget_is_replaced(shard, tokenizer, monkeypatch):
-    """After the forced '{"a": "x"' the draw is ',' (committing to "opt", 40
+    """After the forced '{"a": "x"' the draw is ',' (committing to "opt", ~50
     bytes, tokens here, of required value at once) or '}', with 21 tokens
     left: a ',' is replaced by the plan's '}', so every answer is complete."""
     replaced = []
