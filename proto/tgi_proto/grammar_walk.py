@@ -178,7 +178,8 @@ class WalkState:
             cost, _, _, matcher, path, shape, loops, seen = heapq.heappop(heap)
             if matcher.is_accepting():
                 return path
-            for child, step, child_shape, loop, seen_here in _moves(matcher, shape, seen):
+            seen_here, moves = _moves(matcher, shape, seen)
+            for child, step, child_shape, loop in moves:
                 length = len(path) + len(step)
                 cost = length + (child_shape.closers() if child_shape else 0) + _LOOP * (loops + loop)
                 heapq.heappush(heap, (cost, -length, next(order), child, path + step, child_shape,
@@ -194,10 +195,10 @@ class WalkState:
         for _ in range(max_steps):
             if matcher.is_accepting():
                 return path, len(path) + _LOOP * loops
-            moves = _moves(matcher, shape, seen)
+            seen, moves = _moves(matcher, shape, seen)
             if not moves:
                 break
-            matcher, step, shape, loop, seen = min(moves, key=lambda m: (
+            matcher, step, shape, loop = min(moves, key=lambda m: (
                 m[3], shape.fed(m[1][:1]).closers() if shape else 0, not _ends_soon(m[0]), len(m[1])))
             path, loops = path + step, loops + loop
         return None, float("inf")
@@ -209,9 +210,10 @@ def _ends_soon(matcher: llg.LLMatcher) -> bool:
     return bool(mask & _ENDERS)
 
 
-def _moves(matcher: llg.LLMatcher, shape: _JsonShape | None, seen: frozenset):
-    """The distinct one-byte moves (plus their forced runs) from `matcher`:
-    (matcher after, bytes, shape after, 1 if a penalised loop else 0, keys on the path)."""
+def _moves(matcher: llg.LLMatcher, shape: _JsonShape | None, seen: frozenset) -> tuple[frozenset, list]:
+    """(`seen` plus this state's key, the distinct one-byte moves (plus their
+    forced runs) from `matcher`: (matcher after, bytes, shape after, 1 if a
+    penalised loop else 0))."""
     raw = matcher.compute_bitmask()  # 257 bits: bytes, then the end token
     mask = int.from_bytes(raw, "little")
     seen = seen | {(raw, shape.stack if shape else None)}
@@ -231,7 +233,7 @@ def _moves(matcher: llg.LLMatcher, shape: _JsonShape | None, seen: frozenset):
         loop = (child_raw, child_shape.stack if child_shape else None) in seen
         moves.append((child, step, child_shape, loop))
     penalise = not all(loop for *_, loop in moves)
-    return [(c, s, sh, int(loop and penalise), seen) for c, s, sh, loop in moves]
+    return seen, [(c, s, sh, int(loop and penalise)) for c, s, sh, loop in moves]
 
 
 def _candidates(mask: int) -> list[int]:

@@ -62,18 +62,15 @@ class PlanMaker:
 
     def __init__(self, tokenizer: llg.LLTokenizer, eos_token_ids: list[int]):
         self.tokenizer = tokenizer
-        self.eos_first = (list(eos_token_ids) or tokenizer.eos_tokens)[0]
-        self.eos = frozenset(eos_token_ids or tokenizer.eos_tokens)
+        self.eos = list(eos_token_ids) or list(tokenizer.eos_tokens)  # the first is the one to write
         self._bytes: dict[int, bytes | None] = {}
 
     def token_bytes(self, token: int) -> bytes | None:
         """The bytes a token writes; None for special tokens (EOS ends the text)."""
-        data = self._bytes.get(token, b"?")
-        if data == b"?":
-            data = None if token in self.eos or self.tokenizer.is_special_token(token) \
+        if token not in self._bytes:
+            self._bytes[token] = None if token in self.eos or self.tokenizer.is_special_token(token) \
                 else self.tokenizer.decode_bytes([token])
-            self._bytes[token] = data
-        return data
+        return self._bytes[token]
 
     def plan(self, state: WalkState, data: bytes) -> Plan:
         return Plan(self.tokenizer.tokenize_bytes(data) if data else [], data, state)
@@ -143,12 +140,12 @@ class Budget:
         does not check, can be replaced."""
         if self.plan is None or token in self._checked or self._fits(maker, token):
             return token
-        return self.plan.tokens[0] if self.plan.tokens else maker.eos_first
+        return self.plan.tokens[0] if self.plan.tokens else maker.eos[0]
 
     def advance(self, maker: PlanMaker, token: int) -> None:
         """After sampling `token` (settled)."""
         self.remaining -= 1
-        if self.plan is None:
+        if self.plan is None or self.plan.state is None:  # unknown, or ended with EOS
             return
         plan = self._checked.get(token) or maker.after(self.plan, token)
         self._checked = {}
