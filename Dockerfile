@@ -105,6 +105,16 @@ COPY kernels ./kernels
 COPY README.md ./
 RUN pip install --no-deps . && rm -rf build
 
+# The CPU image compiles our C++ kernels (tgi_kernels/csrc) for the CPU they
+# run on: built here for the build host, and once more, on first use, into the
+# same world-writable cache where the serving CPU has other flags.
+ENV XDG_CACHE_HOME=/opt/cache
+RUN mkdir -p /opt/cache && chmod 1777 /opt/cache \
+    && if [ "$DEVICE" = "cpu" ]; then \
+        apt-get update && apt-get install -y --no-install-recommends g++ \
+        && rm -rf /var/lib/apt/lists/* && python3 -m tgi_kernels.native; \
+    fi
+
 # TGI's conventions: models and the hub cache under /data (a volume), the
 # router on port 80, the launcher as the entrypoint (flags as arguments).
 # Everything a server writes goes to /data or /tmp, both writable by any

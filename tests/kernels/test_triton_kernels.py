@@ -203,7 +203,7 @@ def test_triton_is_offered_but_never_the_default_on_cpu():
     assert paged_decode.__module__ == "tgi_kernels.attention"
     from tgi_kernels import select_backend
 
-    assert select_backend(cpu) == "sdpa"
+    assert select_backend(cpu) in ("cpu", "sdpa")
     assert select_backend(cpu, forced="triton") == "triton"
 
 

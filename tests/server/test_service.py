@@ -4,8 +4,10 @@ clear statuses for bad calls."""
 import asyncio
 
 import grpc
+import torch
 import pytest
 
+from tgi_kernels import select_backend
 from tgi_proto import pb
 from tgi_router.client import ShardClient, ShardError
 
@@ -39,7 +41,7 @@ def test_info_reports_model_facts(shard):
     info = call(shard.socket, lambda c: c.info())
     assert (info.model_type, info.dtype, info.device) == ("llama", "float32", "cpu")
     assert info.block_size == 16 and info.num_layers == 2 and info.num_kv_heads == 2 and info.head_dim == 16
-    assert list(info.eos_token_ids) == [2] and info.attention_backend == "sdpa"
+    assert list(info.eos_token_ids) == [2] and info.attention_backend == select_backend(torch.device("cpu"))
 
 
 def test_warmup_sizes_cache_from_budget(shard):

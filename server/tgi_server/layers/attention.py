@@ -6,7 +6,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tgi_kernels import DecodeMeta, PrefillMeta, paged_decode, store_kv, varlen_prefill
+from tgi_kernels import (DecodeMeta, PrefillMeta, fuses_rotary, paged_decode, rotary_store_kv, store_kv,
+                         varlen_prefill)
 
 from ..distributed import TensorParallel
 from ..weights.source import TensorSource
@@ -85,12 +86,17 @@ class Attention(nn.Module):
         tokens = x.shape[0]
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv(x).view(tokens, heads + 2 * kv_heads, self.head_dim)
-        # q and k rotate together: [T, heads + kv_heads, head_dim]
-        qk = apply_rotary(qkv[:, :heads + kv_heads], cos, sin)
-        q, k = qk[:, :heads], qk[:, heads:]
-        v = qkv[:, heads + kv_heads:]
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        store_kv(k, v, k_cache, v_cache, ctx.slot_mapping, ctx.backend)
+        if fuses_rotary(ctx.backend):
+            qkv = qkv.contiguous()  # a no-op after a GEMM; rotated in place
+            rotary_store_kv(qkv, cos, sin, heads, k_cache, v_cache, ctx.slot_mapping)
+            q, k = qkv[:, :heads], qkv[:, heads:heads + kv_heads]
+        else:
+            # q and k rotate together: [T, heads + kv_heads, head_dim]
+            qk = apply_rotary(qkv[:, :heads + kv_heads], cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+            store_kv(k, qkv[:, heads + kv_heads:], k_cache, v_cache, ctx.slot_mapping, ctx.backend)
+        v = qkv[:, heads + kv_heads:]
 
         nd = ctx.num_decode_tokens
         parts = []

@@ -54,10 +54,19 @@ class DecoderLayer(nn.Module):
             weights, f"{prefix}.post_attention_layernorm", config.rms_norm_eps)
         self.mlp = MLP.load(weights, f"{prefix}.mlp", config, tp)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (x', residual'), each [T, hidden]: the residual
+        stream is residual + x, kept apart so that each add is fused into the
+        norm after it. The first layer gets residual None (x is the stream);
+        residual is updated in place."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h = self.input_layernorm.add_forward(x, residual)
+        h = self.post_attention_layernorm.add_forward(self.self_attn(h, cos, sin, ctx), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -82,11 +91,12 @@ class LlamaForCausalLM(nn.Module):
             config.rope_attention_scaling)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        x = self.embed_tokens(input_ids)  # [T, hidden], a fresh tensor: the residual stream may own it
         cos, sin = self.rotary.cos_sin(ctx.positions, x.dtype)  # [T, head_dim] each
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
-        return x
+            x, residual = layer(x, residual, cos, sin, ctx)
+        return residual + x
 
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden], rows [S] int64 -> logits [S, vocab] float32.

@@ -1,0 +1,62 @@
+"""The cpu backend: our C++ kernels (csrc/, built by tgi_kernels.native),
+the CPU's default wherever they build.
+
+Decode reads every sequence's blocks in place (no gather, no padding to
+the longest context): one task per (sequence, kv head), the G query heads
+of a kv head sharing each K/V row read, online softmax across blocks.
+Prefill is compute bound and keeps the sdpa backend's kernels. The rotary
+embedding and the KV store are one pass (`rotary_store_kv`), which the
+attention layer calls instead of its rotate-then-store pair when
+`fuses_rotary(backend)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import sdpa
+from .metadata import DecodeMeta, PrefillMeta
+from .native import native_ops
+
+
+def is_available(device: torch.device) -> bool:
+    """True on the CPU when the C++ kernels built (or were cached) here."""
+    return torch.device(device).type == "cpu" and native_ops() is not None
+
+
+def paged_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: DecodeMeta,
+    scale: float,
+    sliding_window: int = 0,
+) -> torch.Tensor:
+    """query [B, H, D] -> out [B, H, D]; see tgi_kernels.paged_decode."""
+    if query.dtype != k_cache.dtype:
+        return sdpa.paged_decode(query, k_cache, v_cache, meta, scale, sliding_window)
+    return native_ops().paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                     sliding_window)
+
+
+def varlen_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PrefillMeta,
+    scale: float,
+    sliding_window: int = 0,
+) -> torch.Tensor:
+    """query [T, H, D], key/value [T, KVH, D] -> out [T, H, D]; see tgi_kernels.varlen_prefill."""
+    return sdpa.varlen_prefill(query, key, value, k_cache, v_cache, meta, scale, sliding_window)
+
+
+def rotary_store_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, num_heads: int,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """In place: rotates the query and key heads of qkv [T, H + 2 KVH, D]
+    (x * cos + roll(x, D/2) * signed_sin, cos/signed_sin [T, 1, D] in qkv's
+    dtype), then writes its key and value heads into the caches
+    [num_blocks, block_size, KVH, D] (qkv's dtype) at slot_mapping [T] int64."""
+    native_ops().rotary_store_kv(qkv, cos, signed_sin, num_heads, k_cache, v_cache, slot_mapping)

@@ -1,0 +1,116 @@
+"""Our C++ CPU kernels (tgi_kernels.native) against plain torch: they build
+wherever a compiler is, and every op agrees with the torch path it replaces."""
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from .kernel_cases import make_decode_case, naive_attention
+from tgi_kernels import available_backends, paged_decode, rotary_store_kv, store_kv
+from tgi_kernels.native import native_ops
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float64]
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+       torch.float64: dict(atol=1e-12, rtol=1e-12)}
+ops = native_ops()
+needs_ops = pytest.mark.skipif(ops is None, reason="the C++ CPU kernels did not build here")
+
+
+def test_the_kernels_build_wherever_a_compiler_is():
+    # A machine with g++ must get them: a silent fallback would hide a broken build.
+    if shutil.which("g++") or shutil.which("c++"):
+        assert ops is not None and "cpu" in available_backends(torch.device("cpu"))
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_rms_norm_matches_torch(dtype, rows):
+    x = torch.randn(rows, 576, dtype=dtype) * 3
+    w = torch.randn(576, dtype=dtype)
+    want = F.rms_norm(x.double(), (576,), w.double(), 1e-5).to(dtype)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), want, **TOL[dtype])
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_adds_in_place_then_normalises(dtype):
+    x, residual = torch.randn(7, 64, dtype=dtype), torch.randn(7, 64, dtype=dtype)
+    w = torch.randn(64, dtype=dtype)
+    total = residual + x  # rounded to dtype, as the eager `residual + x`
+    out = ops.add_rms_norm(x, residual, w, 1e-6)
+    assert torch.equal(residual, total)
+    torch.testing.assert_close(out, F.rms_norm(total.double(), (64,), w.double(), 1e-6).to(dtype), **TOL[dtype])
+
+
+@needs_ops
+def test_norm_reads_strided_rows():
+    x = torch.randn(4, 128)[:, :64]  # row stride 128
+    w = torch.randn(64)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (64,), w, 1e-5))
+
+
+def _rotate(x, cos, sin):
+    """Hugging Face's rotate-half in float64: x [T, h, D], cos/sin [T, 1, D] (sin signed)."""
+    return x.double() * cos.double() + x.double().roll(x.shape[-1] // 2, dims=-1) * sin.double()
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_store_kv_rotates_q_and_k_and_stores_k_and_v(dtype):
+    tokens, heads, kv_heads, dim, block_size = 5, 6, 2, 16, 4
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, dtype=dtype)
+    angles = torch.rand(tokens, 1, dim // 2) * 6
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1).to(dtype)
+    k_cache = torch.zeros(4, block_size, kv_heads, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([3, 9, 0, 14, 5])
+    want_qk = _rotate(qkv[:, :heads + kv_heads], cos, sin).to(dtype)
+    want_v = qkv[:, heads + kv_heads:].clone()
+    want_k_cache, want_v_cache = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    store_kv(want_qk[:, heads:], want_v, want_k_cache, want_v_cache, slots)
+
+    rotary_store_kv(qkv, cos, sin, heads, k_cache, v_cache, slots)
+    torch.testing.assert_close(qkv[:, :heads + kv_heads], want_qk, **TOL[dtype])
+    assert torch.equal(qkv[:, heads + kv_heads:], want_v)
+    torch.testing.assert_close(k_cache, want_k_cache, **TOL[dtype])
+    assert torch.equal(v_cache, want_v_cache)
+
+
+@needs_ops
+def test_rotary_store_kv_rejects_a_slot_outside_the_cache():
+    qkv = torch.randn(1, 3, 8)
+    cos = sin = torch.ones(1, 1, 8)
+    cache = torch.zeros(1, 2, 1, 8)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        rotary_store_kv(qkv, cos, sin, 1, cache, cache.clone(), torch.tensor([2]))
+
+
+@needs_ops
+@pytest.mark.parametrize("sliding_window", [0, 5])
+def test_decode_reads_only_the_context_in_place(sliding_window):
+    # No gather: slots outside a sequence's context may hold anything, even NaN.
+    case = make_decode_case([1, 7, 19, 40], heads=6, kv_heads=2, head_dim=32, block_size=8, seed=7)
+    used = torch.zeros(case.k_cache.shape[:2], dtype=torch.bool)  # [num_blocks, block_size]
+    for table, n in zip(case.decode.block_tables.tolist(), case.decode.seq_lens.tolist()):
+        for p in range(n):
+            used[table[p // 8], p % 8] = True
+    k_cache = case.k_cache.masked_fill(~used[:, :, None, None], float("nan"))
+    v_cache = case.v_cache.masked_fill(~used[:, :, None, None], float("nan"))
+    out = paged_decode(case.query, k_cache, v_cache, case.decode, 0.2, sliding_window, backend="cpu")
+    for b, (k, v) in enumerate(zip(case.contexts_k, case.contexts_v)):
+        want = naive_attention(case.query[b:b + 1], k, v, [k.shape[0] - 1], 0.2, sliding_window)
+        torch.testing.assert_close(out[b:b + 1].double(), want, atol=1e-5, rtol=1e-5)
+
+
+@needs_ops
+def test_decode_takes_the_query_as_a_strided_view_of_qkv():
+    case = make_decode_case([3, 17], heads=4, kv_heads=2, head_dim=16, block_size=4, seed=2)
+    qkv = torch.cat([case.query, torch.randn(2, 4, 16)], dim=1)  # [B, H + 2 KVH, D]
+    strided = qkv[:, :4]
+    want = paged_decode(case.query, case.k_cache, case.v_cache, case.decode, 0.25, backend="reference")
+    got = paged_decode(strided, case.k_cache, case.v_cache, case.decode, 0.25, backend="cpu")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
