@@ -114,3 +114,11 @@ def test_decode_takes_the_query_as_a_strided_view_of_qkv():
     want = paged_decode(case.query, case.k_cache, case.v_cache, case.decode, 0.25, backend="reference")
     got = paged_decode(strided, case.k_cache, case.v_cache, case.decode, 0.25, backend="cpu")
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_torch(dtype):
+    gate_up = torch.randn(3, 2 * 40, dtype=dtype) * 4
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), (F.silu(gate) * up).to(dtype), **TOL[dtype])

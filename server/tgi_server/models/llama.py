@@ -7,9 +7,9 @@ only says which layers split by output (column) and which by input (row)."""
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from ..distributed import TensorParallel
+from ..layers.activation import silu_mul
 from ..layers.attention import Attention, ForwardContext, HeadShard
 from ..layers.embedding import Embedding, LMHead
 from ..layers.linear import Linear
@@ -22,12 +22,12 @@ from .config import ModelConfig
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); gate and up share one GEMM.
 
-    intermediate_size is this rank's share (gate/up column-parallel, down row-parallel)."""
+    Each rank holds its share of the intermediate size (gate/up column-parallel,
+    down row-parallel)."""
 
-    def __init__(self, gate_up: Linear, down: Linear, intermediate_size: int):
+    def __init__(self, gate_up: Linear, down: Linear):
         super().__init__()
         self.gate_up, self.down = gate_up, down
-        self.intermediate_size = intermediate_size
 
     @classmethod
     def load(cls, weights: TensorSource, prefix: str, config: ModelConfig, tp: TensorParallel) -> "MLP":
@@ -35,11 +35,10 @@ class MLP(nn.Module):
         gate_up = Linear.load_column(
             weights, [(f"{prefix}.gate_proj", start, stop), (f"{prefix}.up_proj", start, stop)], config.mlp_bias)
         down = Linear.load_row(weights, f"{prefix}.down_proj", config.intermediate_size, config.mlp_bias, tp)
-        return cls(gate_up, down, stop - start)
+        return cls(gate_up, down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.intermediate_size, dim=-1)  # [T, I / world_size] each
-        return self.down(F.silu(gate) * up)
+        return self.down(silu_mul(self.gate_up(x)))  # gate_up: [T, 2 I / world_size]
 
 
 class DecoderLayer(nn.Module):
