@@ -112,7 +112,8 @@ ENV XDG_CACHE_HOME=/opt/cache
 RUN mkdir -p /opt/cache && chmod 1777 /opt/cache \
     && if [ "$DEVICE" = "cpu" ]; then \
         apt-get update && apt-get install -y --no-install-recommends g++ \
-        && rm -rf /var/lib/apt/lists/* && python3 -m tgi_kernels.native; \
+        && rm -rf /var/lib/apt/lists/* \
+        && python3 -c "from tgi_kernels.native import build; print(build())"; \
     fi
 
 # TGI's conventions: models and the hub cache under /data (a volume), the

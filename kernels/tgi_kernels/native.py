@@ -124,6 +124,6 @@ def native_ops():
     return torch.ops.tgi
 
 
-if __name__ == "__main__":  # `make install` builds the library ahead of the first start
+if __name__ == "__main__":  # builds the library ahead of the first start
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print(build())

@@ -10,9 +10,10 @@ namespace {
 template <typename T>
 void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
   using A = acc_t<T>;
+#pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const A g = A(gate[i]);
-    out[i] = T(g / (A(1) + std::exp(-g)) * A(up[i]));
+    const A g = ld(gate[i]);
+    out[i] = st<T>(g / (A(1) + exp_approx(-g)) * ld(up[i]));
   }
 }
 

@@ -7,60 +7,84 @@
 
 #include <cmath>
 #include <limits>
-#include <vector>
 
 namespace tgi {
 namespace {
 
+constexpr int64_t kMaxGroup = 16, kMaxHeadDim = 256, kMaxBlock = 256;
+
 // One (sequence, kv head): the G query heads that share the kv head read
-// its K/V rows once, block by block, with an online softmax.
-template <typename T>
-void decode_one(const T* q, int64_t q_head_stride, const T* k_cache, const T* v_cache,
-                int64_t block_stride, int64_t token_stride, const int32_t* table, int64_t block_size,
-                int64_t first, int64_t last, int64_t G, int64_t D, double scale, T* out,
-                int64_t out_head_stride) {
+// its K/V rows once, block by block, with an online softmax; each row is
+// widened to acc_t once for all G heads. Everything is on the stack (G <= 16,
+// D <= 256, block_size <= 256: checked by the caller). kD: the head dim as a
+// compile-time constant (64 and 128, where the loops unroll), or 0.
+template <typename T, int64_t kD>
+void decode_one(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride, int64_t token_stride,
+                const int32_t* table, int64_t block_size, int64_t first, int64_t last, int64_t G,
+                int64_t head_dim, double scale, T* out) {
   using A = acc_t<T>;
-  std::vector<A> qf(G * D), acc(G * D, A(0)), m(G, -std::numeric_limits<A>::infinity()), l(G, A(0));
-  std::vector<A> s(G * block_size);
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = A(q[g * q_head_stride + d]) * A(scale);
+  const int64_t D = kD ? kD : head_dim;
+  A row[kMaxHeadDim];
+  A qf[kMaxGroup * kMaxHeadDim], acc[kMaxGroup * kMaxHeadDim], m[kMaxGroup], l[kMaxGroup];
+  A s[kMaxGroup * kMaxBlock];
+  for (int64_t g = 0; g < G; ++g) {
+    m[g] = -std::numeric_limits<A>::infinity();
+    l[g] = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      qf[g * D + d] = ld(q[g * D + d]) * A(scale);
+      acc[g * D + d] = 0;
+    }
+  }
   for (int64_t start = first - first % block_size; start < last; start += block_size) {
     const int64_t block = table[start / block_size];
-    const int64_t t0 = std::max(start, first), t1 = std::min(start + block_size, last), n = t1 - t0;
+    const int64_t t0 = std::max(start, first), n = std::min(start + block_size, last) - t0;
     const T* kb = k_cache + block * block_stride + (t0 - start) * token_stride;
     const T* vb = v_cache + block * block_stride + (t0 - start) * token_stride;
     for (int64_t t = 0; t < n; ++t) {
       const T* kr = kb + t * token_stride;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) row[d] = ld(kr[d]);
       for (int64_t g = 0; g < G; ++g) {
-        const A* qg = qf.data() + g * D;
+        const A* qg = qf + g * D;
         A dot = 0;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qg[d] * A(kr[d]);
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
         s[g * block_size + t] = dot;
       }
     }
     for (int64_t g = 0; g < G; ++g) {
-      A* sg = s.data() + g * block_size;
+      A* sg = s + g * block_size;
       A mx = m[g];
       for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
-      const A correction = std::exp(m[g] - mx);  // exp(-inf) = 0 on the first block
-      A* ag = acc.data() + g * D;
-      l[g] *= correction;
+      // The first block rescales nothing: acc and l are still 0.
+      const A correction = m[g] == -std::numeric_limits<A>::infinity() ? A(0) : exp_approx(m[g] - mx);
+      A sum = 0;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < n; ++t) {
+        sg[t] = exp_approx(sg[t] - mx);
+        sum += sg[t];
+      }
+      l[g] = l[g] * correction + sum;
+      m[g] = mx;
+      A* ag = acc + g * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
-      for (int64_t t = 0; t < n; ++t) {
-        const A p = std::exp(sg[t] - mx);
-        l[g] += p;
-        const T* vr = vb + t * token_stride;
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const T* vr = vb + t * token_stride;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ag[d] += p * A(vr[d]);
+      for (int64_t d = 0; d < D; ++d) row[d] = ld(vr[d]);
+      for (int64_t g = 0; g < G; ++g) {
+        const A p = s[g * block_size + t];
+        A* ag = acc + g * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ag[d] += p * row[d];
       }
-      m[g] = mx;
     }
   }
   for (int64_t g = 0; g < G; ++g) {
     const A inv = A(1) / l[g];
-    for (int64_t d = 0; d < D; ++d) out[g * out_head_stride + d] = T(acc[g * D + d] * inv);
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = st<T>(acc[g * D + d] * inv);
   }
 }
 
@@ -74,11 +98,11 @@ void rotary_store_row(T* x, const T* c, const T* s, int64_t num_heads, int64_t K
   A row[512];  // head_dim <= 512, checked by the caller
   for (int64_t h = 0; h < num_heads + KVH; ++h) {
     T* r = x + h * D;
-    for (int64_t d = 0; d < D; ++d) row[d] = A(r[d]);
+    for (int64_t d = 0; d < D; ++d) row[d] = ld(r[d]);
 #pragma omp simd
     for (int64_t d = 0; d < half; ++d) {
-      r[d] = T(row[d] * A(c[d]) + row[d + half] * A(s[d]));
-      r[d + half] = T(row[d + half] * A(c[d + half]) + row[d] * A(s[d + half]));
+      r[d] = st<T>(row[d] * ld(c[d]) + row[d + half] * ld(s[d]));
+      r[d + half] = st<T>(row[d + half] * ld(c[d + half]) + row[d] * ld(s[d + half]));
     }
   }
   const T* k = x + num_heads * D;
@@ -107,6 +131,8 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
   const int64_t B = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t block_size = k_cache.size(1), KVH = k_cache.size(2), G = H / KVH;
   TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "head dims or counts do not match");
+  TORCH_CHECK(G <= kMaxGroup && D <= kMaxHeadDim && block_size <= kMaxBlock,
+              "at most 16 query heads per kv head, head_dim 256 and block_size 256");
   auto out = at::empty({B, H, D}, query.options());
   const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
   const int32_t* tables = block_tables.const_data_ptr<int32_t>();
@@ -124,8 +150,9 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / KVH, h = i % KVH, n = lens[b];
         const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, n - sliding_window) : 0;
-        decode_one(qp + b * query.stride(0) + h * G * D, D, kp + h * D, vp + h * D, block_size * KVH * D,
-                   KVH * D, tables + b * width, block_size, first, n, G, D, scale, op + (b * H + h * G) * D, D);
+        auto one = D == 64 ? decode_one<scalar_t, 64> : D == 128 ? decode_one<scalar_t, 128> : decode_one<scalar_t, 0>;
+        one(qp + b * query.stride(0) + h * G * D, kp + h * D, vp + h * D, block_size * KVH * D, KVH * D,
+            tables + b * width, block_size, first, n, G, D, scale, op + (b * H + h * G) * D);
       }
     });
   });

@@ -12,17 +12,17 @@ void norm_row(const T* x, const T* w, T* out, int64_t n, double eps) {
   using A = acc_t<T>;
   A sum = 0;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += A(x[i]) * A(x[i]);
+  for (int64_t i = 0; i < n; ++i) sum += ld(x[i]) * ld(x[i]);
   A inv = A(1) / std::sqrt(sum / A(n) + A(eps));
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = T(A(x[i]) * inv * A(w[i]));
+  for (int64_t i = 0; i < n; ++i) out[i] = st<T>(ld(x[i]) * inv * ld(w[i]));
 }
 
 template <typename T>
 void add_norm_row(const T* x, T* residual, const T* w, T* out, int64_t n, double eps) {
   using A = acc_t<T>;
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) residual[i] = T(A(residual[i]) + A(x[i]));
+  for (int64_t i = 0; i < n; ++i) residual[i] = st<T>(ld(residual[i]) + ld(x[i]));
   norm_row(residual, w, out, n, eps);
 }
 
