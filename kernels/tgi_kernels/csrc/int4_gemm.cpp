@@ -1,0 +1,453 @@
+// 4-bit weight GEMMs for QuantLinear on CPU: y [M, N] = x [M, K] @ w.T, with
+// w[n, k] = q[n, k] * scale[n, g] + offset[n, g] kept as nibbles (g: the group
+// of column k). torch's `_weight_int4pack_mm_for_cpu` took ~48 us a call at one
+// row of SmolLM2's [960, 576] (bf16, 2 threads) and ~545 us at 32 rows, where
+// a dense bf16 GEMM of that shape takes ~70 us.
+//
+// Layout (QuantLinear builds it at load):
+//   packed        [B, K / 2, 16] uint8, B = ceil(N / 16): byte (b, p, j) holds
+//                 q[16 b + j, 2 p] in its low nibble and q[16 b + j, 2 p + 1] in
+//                 its high one; rows past N are zero.
+//   scale_offset  [B, G, 2, 16] in x's dtype: (b, g, 0, j) the scale and
+//                 (b, g, 1, j) the offset of row 16 b + j in group g; a group is
+//                 K / G consecutive columns, a multiple of 32.
+// Sixteen output rows side by side fill one 512-bit vector of float lanes, so
+// that both kernels dequantize without shuffles:
+// - int4_gemv (a few rows): per group, sum x * q in float (q exact), then add
+//   scale * that + offset * sum(x); one multiply-add per weight and row, x in
+//   float, every dtype exact to float32 rounding.
+// - int4_amx_mm (bf16, many rows): dequantizes 32 columns x 16 rows at a time
+//   into an AMX tile in the pair-interleaved (VNNI) order the tile multiply
+//   wants, kept per thread for the next 32 rows of x; weights rounded to bf16
+//   once, products accumulated in float.
+// - int4_dequant_mm (any other case): the whole weight dequantized into a
+//   per-thread scratch [K, N] in x's dtype, then one at::mm (oneDNN / BLAS).
+#include "common.h"
+
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TGI_INT4_AMX 1
+#endif
+
+#define TGI_DISPATCH_16_32(dtype, name, ...)                  \
+  AT_DISPATCH_SWITCH(dtype, name,                             \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+namespace tgi {
+namespace {
+
+constexpr int64_t kLanes = 16;  // output rows a block of the layout holds
+
+// Sixteen float lanes (one per output row of a block) and the few operations
+// the kernels need: one zmm under AVX-512, two ymm under AVX2, a plain array
+// (auto-vectorized) elsewhere.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+constexpr int kMaxRows = 8;  // rows of x a GEMV pass keeps in registers (32 zmm)
+constexpr int kChains = 8;   // independent FMA chains that fill two FMA ports
+struct Lanes {
+  __m512 v;
+};
+inline Lanes zero() { return {_mm512_setzero_ps()}; }
+inline Lanes add(Lanes a, Lanes b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Lanes fma(Lanes a, Lanes b, Lanes c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline Lanes fma(float a, Lanes b, Lanes c) { return {_mm512_fmadd_ps(_mm512_set1_ps(a), b.v, c.v)}; }
+// 16 bytes -> their low nibbles and their high nibbles as float lanes.
+inline void nibbles(const uint8_t* p, Lanes& lo, Lanes& hi) {
+  const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  lo = {_mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(15)))};
+  hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4))};
+}
+inline Lanes lanes(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline Lanes lanes(const c10::BFloat16* p) {
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16))};
+}
+inline Lanes lanes(const c10::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
+// The first n (<= 16) lanes stored in a dtype, rounded to nearest even.
+inline __mmask16 first(int64_t n) { return __mmask16((1u << n) - 1); }
+inline void store(float* p, Lanes a, int64_t n) { _mm512_mask_storeu_ps(p, first(n), a.v); }
+inline void store(c10::BFloat16* p, Lanes a, int64_t n) {
+#ifdef __AVX512BF16__
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(a.v);
+#else
+  const __m512i u = _mm512_castps_si512(a.v);  // finite values: no NaN case
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+  const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+#endif
+  _mm256_mask_storeu_epi16(p, first(n), h);
+}
+inline void store(c10::Half* p, Lanes a, int64_t n) {
+  _mm256_mask_storeu_epi16(p, first(n), _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int kMaxRows = 4;  // 16 ymm: a Lanes is two of them
+constexpr int kChains = 4;   // Lanes that hold 8 ymm FMA chains
+struct Lanes {
+  __m256 a, b;
+};
+inline Lanes zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Lanes add(Lanes x, Lanes y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+inline Lanes fma(Lanes x, Lanes y, Lanes z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+inline Lanes fma(float x, Lanes y, Lanes z) {
+  const __m256 s = _mm256_set1_ps(x);
+  return {_mm256_fmadd_ps(s, y.a, z.a), _mm256_fmadd_ps(s, y.b, z.b)};
+}
+inline void nibbles(const uint8_t* p, Lanes& lo, Lanes& hi) {
+  const __m256i w0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  const __m256i w1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
+  const __m256i m = _mm256_set1_epi32(15);
+  lo = {_mm256_cvtepi32_ps(_mm256_and_si256(w0, m)), _mm256_cvtepi32_ps(_mm256_and_si256(w1, m))};
+  hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(w0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(w1, 4))};
+}
+inline Lanes lanes(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 bf16x8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline Lanes lanes(const c10::BFloat16* p) { return {bf16x8(p), bf16x8(p + 8)}; }
+inline Lanes lanes(const c10::Half* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)))};
+}
+template <typename T>
+inline void store(T* p, Lanes x, int64_t n) {
+  alignas(32) float f[kLanes];
+  _mm256_store_ps(f, x.a);
+  _mm256_store_ps(f + 8, x.b);
+  for (int64_t j = 0; j < n; ++j) p[j] = T(f[j]);
+}
+#else
+constexpr int kMaxRows = 4;
+constexpr int kChains = 4;
+struct Lanes {
+  float v[kLanes];
+};
+inline Lanes zero() { return {}; }
+inline Lanes add(Lanes a, Lanes b) {
+#pragma omp simd
+  for (int64_t j = 0; j < kLanes; ++j) a.v[j] += b.v[j];
+  return a;
+}
+inline Lanes fma(Lanes a, Lanes b, Lanes c) {
+#pragma omp simd
+  for (int64_t j = 0; j < kLanes; ++j) c.v[j] += a.v[j] * b.v[j];
+  return c;
+}
+inline Lanes fma(float a, Lanes b, Lanes c) {
+#pragma omp simd
+  for (int64_t j = 0; j < kLanes; ++j) c.v[j] += a * b.v[j];
+  return c;
+}
+inline void nibbles(const uint8_t* p, Lanes& lo, Lanes& hi) {
+#pragma omp simd
+  for (int64_t j = 0; j < kLanes; ++j) {
+    lo.v[j] = float(p[j] & 15);
+    hi.v[j] = float(p[j] >> 4);
+  }
+}
+template <typename T>
+inline Lanes lanes(const T* p) {
+  Lanes a;
+#pragma omp simd
+  for (int64_t j = 0; j < kLanes; ++j) a.v[j] = float(p[j]);
+  return a;
+}
+template <typename T>
+inline void store(T* p, Lanes a, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) p[j] = T(a.v[j]);
+}
+#endif
+
+struct Int4Shape {
+  int64_t M, K, N, blocks, G, per;  // per: column pairs a group
+};
+
+Int4Shape check(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_offset, int64_t n) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU [M, K] tensor");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kLanes &&
+                  packed.is_contiguous() && packed.size(1) * 2 == x.size(1),
+              "packed must be contiguous [ceil(N / 16), K / 2, 16] uint8");
+  TORCH_CHECK(scale_offset.scalar_type() == x.scalar_type() && scale_offset.dim() == 4 && scale_offset.is_contiguous() &&
+                  scale_offset.size(0) == packed.size(0) && scale_offset.size(2) == 2 && scale_offset.size(3) == kLanes,
+              "scale_offset must be contiguous [ceil(N / 16), G, 2, 16] in x's dtype");
+  const int64_t K = x.size(1), G = scale_offset.size(1), blocks = packed.size(0);
+  TORCH_CHECK(G > 0 && K % G == 0 && (K / G) % 32 == 0, "groups must be runs of a multiple of 32 columns");
+  TORCH_CHECK(n > (blocks - 1) * kLanes && n <= blocks * kLanes, "n does not match the packed blocks");
+  return {x.size(0), K, n, blocks, G, K / 2 / G};
+}
+
+// Calls f(std::integral_constant<int, r>) for r = rows, 1 <= rows <= R.
+template <int R, typename F>
+void with_rows(int rows, F&& f) {
+  if constexpr (R > 1) {
+    if (rows < R) return with_rows<R - 1>(rows, f);
+  }
+  f(std::integral_constant<int, R>{});
+}
+
+// MR rows of x (float, [MR, K]) against one block of 16 output rows:
+// out[m] lane j = sum_k x[m, k] w[16 b + j, k]. q: the block's [K / 2, 16]
+// bytes; so: its [G, 2, 16] scales and offsets; xsum [MR, G]: x summed over
+// each group. U sets of accumulators take U column pairs at a time, so that
+// at least kChains multiply-add chains are in flight even for one row (a
+// chain alone waits 4 cycles an FMA).
+template <typename T, int MR>
+void gemv_block(const uint8_t* q, const T* so, const float* x, const float* xsum, const Int4Shape& s, Lanes* out) {
+  constexpr int U = MR >= kChains ? 1 : MR * 2 > kChains ? 2 : kChains / MR;  // a power of 2 <= 8: divides s.per
+  Lanes total[MR];
+  for (int m = 0; m < MR; ++m) total[m] = zero();
+  for (int64_t g = 0; g < s.G; ++g) {
+    Lanes acc[U][MR];
+    for (int u = 0; u < U; ++u)
+      for (int m = 0; m < MR; ++m) acc[u][m] = zero();
+    for (int64_t p = g * s.per; p < (g + 1) * s.per; p += U) {
+      for (int u = 0; u < U; ++u) {
+        Lanes lo, hi;
+        nibbles(q + (p + u) * kLanes, lo, hi);
+        const float* xp = x + 2 * (p + u);
+        for (int m = 0; m < MR; ++m) acc[u][m] = fma(xp[m * s.K + 1], hi, fma(xp[m * s.K], lo, acc[u][m]));
+      }
+    }
+    const Lanes scale = lanes(so + 2 * g * kLanes), offset = lanes(so + (2 * g + 1) * kLanes);
+    for (int m = 0; m < MR; ++m) {
+      Lanes sum = acc[0][m];
+      for (int u = 1; u < U; ++u) sum = add(sum, acc[u][m]);
+      total[m] = fma(xsum[m * s.G + g], offset, fma(sum, scale, total[m]));
+    }
+  }
+  for (int m = 0; m < MR; ++m) out[m] = total[m];
+}
+
+template <typename T>
+void gemv(const T* x, const uint8_t* packed, const T* so, const Int4Shape& s, T* y) {
+  // x in float and its sums over each group, once for every block.
+  std::vector<float> xf(s.M * s.K), xsum(s.M * s.G);
+  for (int64_t m = 0; m < s.M; ++m) {
+    for (int64_t g = 0; g < s.G; ++g) {
+      const int64_t run = s.K / s.G;
+      const T* src = x + m * s.K + g * run;
+      float* dst = xf.data() + m * s.K + g * run;
+      float sum = 0;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t k = 0; k < run; ++k) {
+        dst[k] = float(src[k]);
+        sum += dst[k];
+      }
+      xsum[m * s.G + g] = sum;
+    }
+  }
+  // A block is K * 8 bytes of weights: at least ~64 KiB of them a thread, so
+  // that a small matrix stays on the calling thread.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 13) / s.K);
+  at::parallel_for(0, s.blocks, grain, [&](int64_t begin, int64_t end) {
+    Lanes out[kMaxRows];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kLanes, valid = std::min(kLanes, s.N - n0);
+      for (int64_t m0 = 0; m0 < s.M; m0 += kMaxRows) {
+        const int rows = int(std::min<int64_t>(kMaxRows, s.M - m0));
+        with_rows<kMaxRows>(rows, [&](auto mr) {
+          gemv_block<T, mr.value>(packed + b * (s.K / 2) * kLanes, so + b * s.G * 2 * kLanes, xf.data() + m0 * s.K,
+                                  xsum.data() + m0 * s.G, s, out);
+        });
+        for (int m = 0; m < rows; ++m) store(y + (m0 + m) * s.N + n0, out[m], valid);
+      }
+    }
+  });
+}
+
+// w^T [K, ceil(N / 16) * 16] in T: block b fills columns [16 b, 16 b + 16).
+template <typename T>
+void dequantize_t(const uint8_t* packed, const T* so, const Int4Shape& s, T* wt) {
+  const int64_t ld = s.blocks * kLanes;
+  at::parallel_for(0, s.blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* q = packed + b * (s.K / 2) * kLanes;
+      for (int64_t g = 0; g < s.G; ++g) {
+        const T* sob = so + (b * s.G + g) * 2 * kLanes;
+        const Lanes scale = lanes(sob), offset = lanes(sob + kLanes);
+        for (int64_t p = g * s.per; p < (g + 1) * s.per; ++p) {
+          Lanes lo, hi;
+          nibbles(q + p * kLanes, lo, hi);
+          store(wt + 2 * p * ld + b * kLanes, fma(lo, scale, offset), kLanes);
+          store(wt + (2 * p + 1) * ld + b * kLanes, fma(hi, scale, offset), kLanes);
+        }
+      }
+    }
+  });
+}
+
+#ifdef TGI_INT4_AMX
+// The kernel asks Linux once for the AMX tile state (ARCH_REQ_XCOMP_PERM,
+// XFEATURE_XTILEDATA); without it a tile instruction faults.
+bool amx_ready() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Word order that interleaves [lo_0..lo_15, hi_0..hi_15] into pairs (lo_j, hi_j).
+alignas(64) constexpr int16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                            8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+inline __m512 bf16_lanes(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// One B tile: 16 column pairs x 16 output rows of w in bf16. Row r holds, for
+// each output row j, (w[j, 2 p], w[j, 2 p + 1]) with p the r-th pair: the
+// layout TDPBF16PS multiplies. q: the 16 pairs' bytes [16, 16]; so: their
+// group's scales and offsets [2, 16].
+inline void dequant_tile(const uint8_t* q, const c10::BFloat16* so, __m512i* tile) {
+  const __m512 scale = bf16_lanes(so), offset = bf16_lanes(so + kLanes);
+  const __m512i pairs = _mm512_load_si512(kPairs), nibble = _mm512_set1_epi32(15);
+  for (int r = 0; r < 16; ++r) {
+    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + r * kLanes)));
+    const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(w, nibble)), scale, offset);
+    const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4)), scale, offset);
+    tile[r] = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+// x [Mp, K] bf16 (rows a multiple of 16; rows past M zero) -> y [M, N].
+// Tiles: 0-3 accumulate y for (16 rows of x) x (16 output rows), 4-5 hold x,
+// 6-7 the weights. Each thread takes output rows 32 at a time; their weights
+// are dequantized once, on the first 32 rows of x, into a per-thread strip
+// reused for the next ones.
+void amx_mm(const c10::BFloat16* x, int64_t Mp, const uint8_t* packed, const c10::BFloat16* so, const Int4Shape& s,
+            c10::BFloat16* y) {
+  const int64_t steps = s.K / 32, pairs_of_blocks = (s.blocks + 1) / 2, xstride = s.K * 2;
+  at::parallel_for(0, pairs_of_blocks, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<__m512i> strip;  // [steps, 2, 16] tile rows
+    strip.resize(steps * 2 * 16);
+    alignas(64) float out[4][16][16];
+    TileConfig config;
+    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+    _tile_loadconfig(&config);
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t b0 = 2 * c;
+      const bool two_n = b0 + 1 < s.blocks;
+      for (int64_t mc = 0; mc < Mp; mc += 32) {
+        const bool two_m = mc + 16 < Mp;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t ks = 0; ks < steps; ++ks) {
+          __m512i* t0 = strip.data() + ks * 32;
+          __m512i* t1 = t0 + 16;
+          if (mc == 0) {
+            const int64_t g = ks * 16 / s.per;
+            for (int64_t h = 0; h < (two_n ? 2 : 1); ++h)
+              dequant_tile(packed + ((b0 + h) * (s.K / 2) + ks * 16) * kLanes, so + ((b0 + h) * s.G + g) * 2 * kLanes,
+                           h ? t1 : t0);
+          }
+          _tile_loadd(6, t0, 64);
+          _tile_loadd(4, x + mc * s.K + ks * 32, xstride);
+          _tile_dpbf16ps(0, 4, 6);
+          if (two_n) {
+            _tile_loadd(7, t1, 64);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+          if (two_m) {
+            _tile_loadd(5, x + (mc + 16) * s.K + ks * 32, xstride);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two_n) _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, out[0], 64);
+        if (two_n) _tile_stored(1, out[1], 64);
+        if (two_m) _tile_stored(2, out[2], 64);
+        if (two_m && two_n) _tile_stored(3, out[3], 64);
+        for (int64_t i = 0; i < (two_m ? 2 : 1); ++i) {
+          for (int64_t h = 0; h < (two_n ? 2 : 1); ++h) {
+            const int64_t n0 = (b0 + h) * kLanes;
+            const __mmask16 valid = __mmask16((1u << std::min(kLanes, s.N - n0)) - 1);
+            for (int64_t r = 0; r < 16 && mc + 16 * i + r < s.M; ++r) {
+              const __m256bh v = _mm512_cvtneps_pbh(_mm512_load_ps(out[2 * i + h][r]));
+              _mm256_mask_storeu_epi16(y + (mc + 16 * i + r) * s.N + n0, valid, (__m256i)v);
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+}  // namespace
+
+// x [M, K] -> x @ w.T [M, N] in x's dtype, on the float-lane GEMV: the kernel
+// for a few rows (decode), float32 exact to rounding.
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_offset, int64_t n) {
+  const Int4Shape s = check(x, packed, scale_offset, n);
+  auto y = at::empty({s.M, s.N}, x.options());
+  TGI_DISPATCH_16_32(x.scalar_type(), "int4_gemv", [&] {
+    gemv(x.const_data_ptr<scalar_t>(), packed.const_data_ptr<uint8_t>(), scale_offset.const_data_ptr<scalar_t>(), s,
+         y.mutable_data_ptr<scalar_t>());
+  });
+  return y;
+}
+
+// The same product through one dense GEMM: w dequantized into a per-thread
+// scratch [K, N] (one matrix at a time; never kept), then at::mm.
+at::Tensor int4_dequant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_offset, int64_t n) {
+  const Int4Shape s = check(x, packed, scale_offset, n);
+  thread_local at::Tensor scratch;
+  const int64_t numel = s.K * s.blocks * kLanes;
+  if (!scratch.defined() || scratch.scalar_type() != x.scalar_type() || scratch.numel() < numel)
+    scratch = at::empty({numel}, x.options());
+  auto wt = scratch.narrow(0, 0, numel).view({s.K, s.blocks * kLanes});
+  TGI_DISPATCH_16_32(x.scalar_type(), "int4_dequant_mm", [&] {
+    dequantize_t(packed.const_data_ptr<uint8_t>(), scale_offset.const_data_ptr<scalar_t>(), s,
+                 wt.mutable_data_ptr<scalar_t>());
+  });
+  return at::mm(x, wt.narrow(1, 0, s.N));
+}
+
+// True where int4_amx_mm can run: built with AMX-BF16 and granted the tile state.
+bool int4_amx_available() {
+#ifdef TGI_INT4_AMX
+  return amx_ready();
+#else
+  return false;
+#endif
+}
+
+// bf16 x [M, K] -> x @ w.T [M, N] on AMX tiles (weights rounded to bf16,
+// float accumulation): the kernel for many rows.
+at::Tensor int4_amx_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_offset, int64_t n) {
+  const Int4Shape s = check(x, packed, scale_offset, n);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "int4_amx_mm takes bf16");
+  TORCH_CHECK(int4_amx_available(), "int4_amx_mm: no AMX here (see int4_amx_available)");
+  auto y = at::empty({s.M, s.N}, x.options());
+#ifdef TGI_INT4_AMX
+  const int64_t Mp = (s.M + 15) / 16 * 16;
+  // Tiles read 16 rows of x at a time: a partial last block reads zero rows.
+  const at::Tensor xp = Mp == s.M ? x : at::constant_pad_nd(x, {0, 0, 0, Mp - s.M});
+  amx_mm(xp.const_data_ptr<c10::BFloat16>(), Mp, packed.const_data_ptr<uint8_t>(),
+         scale_offset.const_data_ptr<c10::BFloat16>(), s, y.mutable_data_ptr<c10::BFloat16>());
+#endif
+  return y;
+}
+
+}  // namespace tgi
+
+TORCH_LIBRARY_FRAGMENT(tgi, m) {
+  m.def("int4_gemv(Tensor x, Tensor packed, Tensor scale_offset, int n) -> Tensor", tgi::int4_gemv);
+  m.def("int4_dequant_mm(Tensor x, Tensor packed, Tensor scale_offset, int n) -> Tensor", tgi::int4_dequant_mm);
+  m.def("int4_amx_mm(Tensor x, Tensor packed, Tensor scale_offset, int n) -> Tensor", tgi::int4_amx_mm);
+  m.def("int4_amx_available() -> bool", tgi::int4_amx_available);
+}
