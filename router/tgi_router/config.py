@@ -174,7 +174,7 @@ _FLAGS = (
     _Flag("tokenizer_config_path", str, "tokenizer_config.json to use (e.g. for its chat_template)"),
     _Flag("graceful_termination_timeout", _count, "seconds to drain requests on SIGTERM (default: 90)"),
     _Flag("disable_grammar_support", None, "refuse grammars, response_format schemas and tools (422)"),
-    _Flag("flash_attention", None, "require flash-style attention (flash-attn on CUDA, SDPA on CPU)"),
+    _Flag("flash_attention", None, "require flash-style attention (flash-attn on CUDA; our C++ kernels or SDPA on CPU)"),
     _Flag("cuda_graphs", _batch_sizes, "decode batch sizes captured as CUDA graphs at warmup, "
           "e.g. 1,2,4,8; 0 turns them off; CUDA only (default: 1,2,4,8,16,32)"),
     # Ours.

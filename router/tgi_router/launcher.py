@@ -134,11 +134,11 @@ async def _start(config: RouterConfig, env: Mapping[str, str], group: ShardGroup
 
 def flash_attention_problem(info: Any) -> str | None:
     """Why --flash-attention cannot be honoured, or None: flash-style means
-    flash-attn on CUDA, or torch's fused SDPA on CPU."""
+    flash-attn on CUDA, or on CPU our C++ kernels (online softmax) or torch's fused SDPA."""
     device, backend = str(info.device), str(info.attention_backend)
-    if backend == "flash_attn" or (device == "cpu" and backend == "sdpa"):
+    if backend == "flash_attn" or (device == "cpu" and backend in ("cpu", "sdpa")):
         return None
-    wanted = "torch's fused SDPA" if device == "cpu" else "flash-attn (is the flash_attn package installed?)"
+    wanted = "our C++ kernels or torch's fused SDPA" if device == "cpu" else "flash-attn (is the flash_attn package installed?)"
     return (f"--flash-attention: the shards run the {backend!r} attention backend on {device}, "
             f"not a flash-style one; {device} needs {wanted}")
 

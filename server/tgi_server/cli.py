@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-bytes", type=non_negative, default=0,
                        help="KV cache budget in bytes; 0 = a share of free memory at Warmup")
     serve.add_argument("--attention-backend", default=os.environ.get("TGI_ATTENTION_BACKEND") or None,
-                       help="reference, sdpa, flash_attn or triton (env TGI_ATTENTION_BACKEND)")
+                       help="reference, sdpa, cpu, flash_attn or triton (env TGI_ATTENTION_BACKEND)")
     serve.add_argument("--cuda-graphs", type=batch_sizes, default=(),
                        help="decode batch sizes captured as CUDA graphs at Warmup, e.g. 1,2,4,8 (CUDA only)")
     serve.add_argument("--num-threads", type=int, default=0, help="torch threads on CPU (0 = torch default)")

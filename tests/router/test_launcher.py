@@ -207,6 +207,7 @@ def test_flash_attention_accepted_on_cpu_with_fused_sdpa(tmp_path):
 
     assert run(config, tmp_path, serve=router) == 0
     assert launcher.flash_attention_problem(SimpleNamespace(device="cuda:0", attention_backend="flash_attn")) is None
+    assert launcher.flash_attention_problem(SimpleNamespace(device="cpu", attention_backend="cpu")) is None
     assert launcher.flash_attention_problem(SimpleNamespace(device="cpu", attention_backend="reference"))
 
 
