@@ -59,36 +59,39 @@ async def gather_limited(run, items: list, concurrency: int) -> tuple[list, floa
     return results, time.perf_counter() - start
 
 
+def pct_ms(values: list[float], q: float) -> float:
+    """The q-quantile of sorted seconds, in milliseconds (nan if none)."""
+    return values[min(len(values) - 1, int(q * len(values)))] * 1000 if values else float("nan")
+
+
 async def load(url: str, prompts: list[str], concurrency: int) -> dict:
     async with httpx.AsyncClient(timeout=600) as client:
         results, elapsed = await gather_limited(lambda p: _one(client, url, p), prompts, concurrency)
     tokens = sum(len(r["times"]) for r in results)
     ttft = sorted(r["times"][0] for r in results if r["times"])
     itl = sorted(b - a for r in results for a, b in zip(r["times"], r["times"][1:]))
-
-    def pct(values, q):
-        return values[min(len(values) - 1, int(q * len(values)))] * 1000 if values else float("nan")
-    return {"tok_s": tokens / elapsed, "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
-            "itl_p50_ms": pct(itl, 0.5), "itl_p99_ms": pct(itl, 0.99),
+    return {"tok_s": tokens / elapsed, "ttft_p50_ms": pct_ms(ttft, 0.5), "ttft_p99_ms": pct_ms(ttft, 0.99),
+            "itl_p50_ms": pct_ms(itl, 0.5), "itl_p99_ms": pct_ms(itl, 0.99),
             "errors": sum(r["error"] is not None for r in results)}
 
 
-def _launch(port: int, tmp: str) -> subprocess.Popen:
+def _launch(port: int, tmp: str, extra_args: tuple[str, ...] = (), log=subprocess.DEVNULL) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS=str(engine_bench.THREADS))
     return subprocess.Popen(
         [sys.executable, "-m", "tgi_router.launcher", "--port", str(port), "--hostname", "127.0.0.1",
          "--shard-uds-path", f"{tmp}/shard", "--num-threads", str(engine_bench.THREADS),
-         "--kv-cache-bytes", str(1 << 30), "--max-concurrent-requests", "256"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+         "--kv-cache-bytes", str(1 << 30), "--max-concurrent-requests", "256", *extra_args],
+        env=env, stdout=log, stderr=log)
 
 
 @contextlib.contextmanager
-def launched(tmp: str):
-    """The real launcher on a free port, its shard sockets in `tmp`; yields its
-    URL once healthy, stops it on exit."""
+def launched(tmp: str, extra_args: tuple[str, ...] = (), log=subprocess.DEVNULL):
+    """The real launcher on a free port, its shard sockets in `tmp` (more
+    launcher flags in `extra_args`, its output to `log`); yields its URL once
+    healthy, stops it on exit."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _launch(port, tmp)
+    proc = _launch(port, tmp, extra_args, log)
     try:
         _wait_healthy(url, proc)
         yield url

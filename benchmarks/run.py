@@ -7,11 +7,13 @@ import json
 from .machine import machine_facts
 
 BENCHES = ("engine", "http", "grammar", "structured", "prefix", "quant")
+# Run only when named (not by "all"): `peers` installs and starts other servers.
+OPT_IN = ("peers",)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--bench", default="all", choices=("all",) + BENCHES)
+    parser.add_argument("--bench", default="all", choices=("all",) + BENCHES + OPT_IN)
     args = parser.parse_args()
     facts = machine_facts()
     print("Machine: " + ", ".join(f"{k} {v}" for k, v in facts.items()), flush=True)
