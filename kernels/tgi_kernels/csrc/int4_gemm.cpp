@@ -52,7 +52,6 @@ constexpr int64_t kLanes = 16;  // output rows a block of the layout holds
 // (auto-vectorized) elsewhere.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 constexpr int kMaxRows = 8;  // rows of x a GEMV pass keeps in registers (32 zmm)
-constexpr int kChains = 8;   // independent FMA chains that fill two FMA ports
 struct Lanes {
   __m512 v;
 };
@@ -60,11 +59,14 @@ inline Lanes zero() { return {_mm512_setzero_ps()}; }
 inline Lanes add(Lanes a, Lanes b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline Lanes fma(Lanes a, Lanes b, Lanes c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline Lanes fma(float a, Lanes b, Lanes c) { return {_mm512_fmadd_ps(_mm512_set1_ps(a), b.v, c.v)}; }
-// 16 bytes -> their low nibbles and their high nibbles as float lanes.
+// 16 bytes -> their low nibbles and their high nibbles as float lanes. A
+// 16-entry lookup (vpermps reads the index's low 4 bits) stands for the mask
+// and int -> float conversion: two port-5 uops instead of three on port 0.
 inline void nibbles(const uint8_t* p, Lanes& lo, Lanes& hi) {
   const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-  lo = {_mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(15)))};
-  hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4))};
+  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  lo = {_mm512_permutexvar_ps(w, values)};
+  hi = {_mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), values)};
 }
 inline Lanes lanes(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline Lanes lanes(const c10::BFloat16* p) {
@@ -90,7 +92,6 @@ inline void store(c10::Half* p, Lanes a, int64_t n) {
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int kMaxRows = 4;  // 16 ymm: a Lanes is two of them
-constexpr int kChains = 4;   // Lanes that hold 8 ymm FMA chains
 struct Lanes {
   __m256 a, b;
 };
@@ -125,7 +126,6 @@ inline void store(T* p, Lanes x, int64_t n) {
 }
 #else
 constexpr int kMaxRows = 4;
-constexpr int kChains = 4;
 struct Lanes {
   float v[kLanes];
 };
@@ -165,6 +165,10 @@ inline void store(T* p, Lanes a, int64_t n) {
 }
 #endif
 
+// Independent multiply-add chains a GEMV keeps in flight (an FMA waits ~4
+// cycles for its accumulator; more chains measured no faster at one row).
+constexpr int kChains = 4;
+
 struct Int4Shape {
   int64_t M, K, N, blocks, G, per;  // per: column pairs a group
 };
@@ -192,22 +196,32 @@ void with_rows(int rows, F&& f) {
   f(std::integral_constant<int, R>{});
 }
 
+// The kernels ask for the next block's bytes while they compute on this one:
+// the weights stream from memory (53 MB for SmolLM2, where a core reads ~15
+// GB/s), and the hardware prefetcher alone did not keep ahead of the FMAs
+// (cold weights took twice as long as hot). The prefetches sit in loops that
+// compute: GCC 12 deletes a loop of prefetches alone.
+
 // MR rows of x (float, [MR, K]) against one block of 16 output rows:
 // out[m] lane j = sum_k x[m, k] w[16 b + j, k]. q: the block's [K / 2, 16]
-// bytes; so: its [G, 2, 16] scales and offsets; xsum [MR, G]: x summed over
-// each group. U sets of accumulators take U column pairs at a time, so that
-// at least kChains multiply-add chains are in flight even for one row (a
-// chain alone waits 4 cycles an FMA).
+// bytes; so: its [G, 2, 16] scales and offsets (next_q, next_so: the block's
+// to prefetch); xsum [MR, G]: x summed over each group. U sets of
+// accumulators take U column pairs at a time, so that kChains multiply-add
+// chains are in flight even for one row.
 template <typename T, int MR>
-void gemv_block(const uint8_t* q, const T* so, const float* x, const float* xsum, const Int4Shape& s, Lanes* out) {
-  constexpr int U = MR >= kChains ? 1 : MR * 2 > kChains ? 2 : kChains / MR;  // a power of 2 <= 8: divides s.per
+void gemv_block(const uint8_t* q, const T* so, const uint8_t* next_q, const T* next_so, const float* x,
+                const float* xsum, const Int4Shape& s, Lanes* out) {
+  constexpr int U = MR >= kChains ? 1 : MR * 2 > kChains ? 2 : kChains / MR;  // 1, 2 or 4: divides s.per
   Lanes total[MR];
   for (int m = 0; m < MR; ++m) total[m] = zero();
   for (int64_t g = 0; g < s.G; ++g) {
     Lanes acc[U][MR];
     for (int u = 0; u < U; ++u)
       for (int m = 0; m < MR; ++m) acc[u][m] = zero();
+    __builtin_prefetch(next_so + 2 * g * kLanes);
+    __builtin_prefetch(next_so + (2 * g + 1) * kLanes);
     for (int64_t p = g * s.per; p < (g + 1) * s.per; p += U) {
+      __builtin_prefetch(next_q + p * kLanes);  // 64 bytes: 4 pairs, U of them an iteration
       for (int u = 0; u < U; ++u) {
         Lanes lo, hi;
         nibbles(q + (p + u) * kLanes, lo, hi);
@@ -250,11 +264,16 @@ void gemv(const T* x, const uint8_t* packed, const T* so, const Int4Shape& s, T*
     Lanes out[kMaxRows];
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kLanes, valid = std::min(kLanes, s.N - n0);
+      const uint8_t* q = packed + b * (s.K / 2) * kLanes;
+      const T* sob = so + b * s.G * 2 * kLanes;
+      // The next block (the last block: itself, in cache already).
+      const int64_t next = b + 1 < s.blocks ? 1 : 0;
+      const uint8_t* next_q = q + next * (s.K / 2) * kLanes;
+      const T* next_so = sob + next * s.G * 2 * kLanes;
       for (int64_t m0 = 0; m0 < s.M; m0 += kMaxRows) {
         const int rows = int(std::min<int64_t>(kMaxRows, s.M - m0));
         with_rows<kMaxRows>(rows, [&](auto mr) {
-          gemv_block<T, mr.value>(packed + b * (s.K / 2) * kLanes, so + b * s.G * 2 * kLanes, xf.data() + m0 * s.K,
-                                  xsum.data() + m0 * s.G, s, out);
+          gemv_block<T, mr.value>(q, sob, next_q, next_so, xf.data() + m0 * s.K, xsum.data() + m0 * s.G, s, out);
         });
         for (int m = 0; m < rows; ++m) store(y + (m0 + m) * s.N + n0, out[m], valid);
       }
@@ -263,20 +282,25 @@ void gemv(const T* x, const uint8_t* packed, const T* so, const Int4Shape& s, T*
 }
 
 // w^T [K, ceil(N / 16) * 16] in T: block b fills columns [16 b, 16 b + 16).
+// Four column pairs (one 64-byte line of each block) at a time across all
+// blocks, so that each row of w^T is written front to back (block-major
+// wrote a far-apart 32-64 bytes per row and fetched each line twice: 4x slower).
 template <typename T>
 void dequantize_t(const uint8_t* packed, const T* so, const Int4Shape& s, T* wt) {
-  const int64_t ld = s.blocks * kLanes;
-  at::parallel_for(0, s.blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* q = packed + b * (s.K / 2) * kLanes;
-      for (int64_t g = 0; g < s.G; ++g) {
+  constexpr int64_t kPairsALine = 64 / kLanes;
+  const int64_t ld = s.blocks * kLanes, block_bytes = (s.K / 2) * kLanes;
+  at::parallel_for(0, s.K / 2 / kPairsALine, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t p0 = c * kPairsALine, g = p0 / s.per;
+      for (int64_t b = 0; b < s.blocks; ++b) {
         const T* sob = so + (b * s.G + g) * 2 * kLanes;
         const Lanes scale = lanes(sob), offset = lanes(sob + kLanes);
-        for (int64_t p = g * s.per; p < (g + 1) * s.per; ++p) {
+        const uint8_t* q = packed + b * block_bytes + p0 * kLanes;
+        for (int64_t p = 0; p < kPairsALine; ++p) {
           Lanes lo, hi;
           nibbles(q + p * kLanes, lo, hi);
-          store(wt + 2 * p * ld + b * kLanes, fma(lo, scale, offset), kLanes);
-          store(wt + (2 * p + 1) * ld + b * kLanes, fma(hi, scale, offset), kLanes);
+          store(wt + 2 * (p0 + p) * ld + b * kLanes, fma(lo, scale, offset), kLanes);
+          store(wt + (2 * (p0 + p) + 1) * ld + b * kLanes, fma(hi, scale, offset), kLanes);
         }
       }
     }
@@ -308,11 +332,14 @@ inline __m512 bf16_lanes(const c10::BFloat16* p) {
 // One B tile: 16 column pairs x 16 output rows of w in bf16. Row r holds, for
 // each output row j, (w[j, 2 p], w[j, 2 p + 1]) with p the r-th pair: the
 // layout TDPBF16PS multiplies. q: the 16 pairs' bytes [16, 16]; so: their
-// group's scales and offsets [2, 16].
-inline void dequant_tile(const uint8_t* q, const c10::BFloat16* so, __m512i* tile) {
+// group's scales and offsets [2, 16]; next_q, next_so: the tile's to prefetch.
+inline void dequant_tile(const uint8_t* q, const c10::BFloat16* so, const uint8_t* next_q,
+                         const c10::BFloat16* next_so, __m512i* tile) {
   const __m512 scale = bf16_lanes(so), offset = bf16_lanes(so + kLanes);
   const __m512i pairs = _mm512_load_si512(kPairs), nibble = _mm512_set1_epi32(15);
+  __builtin_prefetch(next_so);
   for (int r = 0; r < 16; ++r) {
+    if (r % 4 == 0) __builtin_prefetch(next_q + r * kLanes);
     const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + r * kLanes)));
     const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(w, nibble)), scale, offset);
     const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4)), scale, offset);
@@ -338,6 +365,16 @@ void amx_mm(const c10::BFloat16* x, int64_t Mp, const uint8_t* packed, const c10
     for (int64_t c = begin; c < end; ++c) {
       const int64_t b0 = 2 * c;
       const bool two_n = b0 + 1 < s.blocks;
+      // Step ks's weight tiles (32 columns of one or two blocks) into the strip.
+      auto dequant_step = [&](int64_t ks) {
+        const int64_t g = ks * 16 / s.per;
+        for (int64_t h = 0; h < (two_n ? 2 : 1); ++h) {
+          const int64_t b = b0 + h, next = b + 2 < s.blocks ? b + 2 : b;  // the next pair's same tile
+          dequant_tile(packed + (b * (s.K / 2) + ks * 16) * kLanes, so + (b * s.G + g) * 2 * kLanes,
+                       packed + (next * (s.K / 2) + ks * 16) * kLanes, so + (next * s.G + g) * 2 * kLanes,
+                       strip.data() + ks * 32 + 16 * h);
+        }
+      };
       for (int64_t mc = 0; mc < Mp; mc += 32) {
         const bool two_m = mc + 16 < Mp;
         _tile_zero(0);
@@ -345,19 +382,13 @@ void amx_mm(const c10::BFloat16* x, int64_t Mp, const uint8_t* packed, const c10
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t ks = 0; ks < steps; ++ks) {
-          __m512i* t0 = strip.data() + ks * 32;
-          __m512i* t1 = t0 + 16;
-          if (mc == 0) {
-            const int64_t g = ks * 16 / s.per;
-            for (int64_t h = 0; h < (two_n ? 2 : 1); ++h)
-              dequant_tile(packed + ((b0 + h) * (s.K / 2) + ks * 16) * kLanes, so + ((b0 + h) * s.G + g) * 2 * kLanes,
-                           h ? t1 : t0);
-          }
+          const __m512i* t0 = strip.data() + ks * 32;
+          if (mc == 0) dequant_step(ks);
           _tile_loadd(6, t0, 64);
           _tile_loadd(4, x + mc * s.K + ks * 32, xstride);
           _tile_dpbf16ps(0, 4, 6);
           if (two_n) {
-            _tile_loadd(7, t1, 64);
+            _tile_loadd(7, t0 + 16, 64);
             _tile_dpbf16ps(1, 4, 7);
           }
           if (two_m) {
