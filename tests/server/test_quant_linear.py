@@ -49,19 +49,36 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+@pytest.fixture
+def torch_int4(monkeypatch):
+    """int4 layers on torch's packed kernel, as where our C++ kernels do not load."""
+    monkeypatch.setattr(quant_linear, "native_ops", lambda: None)
+
+
+@pytest.fixture(params=["ours", "torch"])
+def int4_kernels(request, monkeypatch):
+    """Each int4 implementation in turn: our C++ kernels (skipped where they do not
+    build) and torch's packed kernel."""
+    if request.param == "torch":
+        monkeypatch.setattr(quant_linear, "native_ops", lambda: None)
+    elif quant_linear.native_ops() is None:
+        pytest.skip("our C++ kernels do not build here")
+    return request.param
+
+
 @pytest.mark.parametrize("group_size", [32, 64, 128, -1])
-def test_int4_kernel_matches_the_dequantized_weight(group_size):
+def test_int4_kernel_matches_the_dequantized_weight(group_size, int4_kernels):
     layer, y, ref = run(quantize_rtn(random_weight(), 4, group_size, symmetric=False))
-    assert layer.kernel == "int4"
+    assert layer.kernel == "int4" and (layer.native is not None) == (int4_kernels == "ours")
     assert rel_err(y, ref) < 1e-5
 
 
-def test_int4_kernel_in_bfloat16_stays_within_bfloat16_rounding():
+def test_int4_kernel_in_bfloat16_stays_within_bfloat16_rounding(int4_kernels):
     layer, y, ref = run(quantize_rtn(random_weight(), 4, 32, symmetric=True), torch.bfloat16, t=32)
     assert layer.kernel == "int4" and rel_err(y, ref) < 2e-2
 
 
-def test_act_order_groups_run_on_int4_with_the_input_permuted():
+def test_act_order_groups_run_on_int4_with_the_input_permuted(int4_kernels):
     m = act_order_matrix(random_weight(), 32)
     assert not torch.equal(m.group, torch.sort(m.group).values)  # really unsorted
     layer, y, ref = run(m)
@@ -70,7 +87,7 @@ def test_act_order_groups_run_on_int4_with_the_input_permuted():
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("act_order", [False, True])
-def test_int4_prefill_rows_unpack_to_one_dense_gemm_equal_to_the_kernel(dtype, tolerance, act_order):
+def test_int4_prefill_rows_unpack_to_one_dense_gemm_equal_to_the_kernel(dtype, tolerance, act_order, torch_int4):
     # 128 output rows: two blocks of the packed layout. Past INT4_KERNEL_MAX_ROWS[dtype] rows the
     # layer unpacks the same bytes into a dense weight; under it, the int4 kernel runs.
     w = random_weight(128, 256)
@@ -89,8 +106,9 @@ def test_int4_prefill_rows_unpack_to_one_dense_gemm_equal_to_the_kernel(dtype, t
 # Run in a fresh process: ATEN_CPU_CAPABILITY is read once, at the first dispatch.
 UNPACK_CHECK = """
 import torch
-from tgi_server.quant import QuantLinear, quantize_rtn
+from tgi_server.quant import QuantLinear, quant_linear, quantize_rtn
 from tgi_server.quant.quant_linear import unpack_int4pack
+quant_linear.native_ops = lambda: None  # torch's int4 kernel, whose layout this checks
 q = torch.randint(0, 16, (192, 96), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
 packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
 layer = QuantLinear(quantize_rtn(torch.randn(192, 128), 4, 32, symmetric=False), None, torch.float32,
@@ -126,15 +144,15 @@ def test_int4_layout_unpacks_to_the_values_packed_under_each_dispatch(capability
     assert block == {"avx512": 64, "avx2": 32}[capability] and round_trip == "True" and err < 1e-5
 
 
-def test_int4_rows_not_in_blocks_of_64_keep_the_kernel_at_every_size():
+def test_int4_rows_not_in_blocks_of_64_keep_the_kernel_at_every_size(torch_int4):
     layer, y, ref = run(quantize_rtn(random_weight(48), 4, 32, symmetric=False), t=40)
     assert layer.kernel == "int4" and layer.int4_max_rows is None and rel_err(y, ref) < 1e-5
 
 
 @pytest.mark.parametrize("bits, group_size, rows", [(4, 32, 1), (4, 32, 5), (4, 32, 200), (8, -1, 1), (8, -1, 5)])
-def test_float32_activations_run_the_kernels_in_bfloat16_when_asked(bits, group_size, rows):
+def test_float32_activations_run_the_kernels_in_bfloat16_when_asked(bits, group_size, rows, torch_int4):
     """kernel_dtype bf16 (the shard's default for a float32 model): x enters
-    the packed kernel as bf16 and the output comes back as float32; past
+    torch's packed kernel as bf16 and the output comes back as float32; past
     INT4_KERNEL_MAX_ROWS[bf16] rows the dense GEMM runs in float32."""
     m = quantize_rtn(random_weight(128, 256), bits, group_size, symmetric=False)
     layer = QuantLinear(m, None, torch.float32, CPU, kernel_dtype=torch.bfloat16)
@@ -167,7 +185,7 @@ def test_asymmetric_int8_per_row_adds_the_row_constant(dtype, rows, tolerance):
 
 
 @pytest.mark.parametrize("bits, group_size, n", [(8, 32, 48), (4, 32, 40)], ids=["int8-groups", "n-not-16x"])
-def test_layouts_without_a_kernel_dequantize_per_call(bits, group_size, n):
+def test_layouts_without_a_kernel_dequantize_per_call(bits, group_size, n, torch_int4):
     layer, y, ref = run(quantize_rtn(random_weight(n), bits, group_size, symmetric=True), bias=torch.ones(n))
     assert layer.kernel == "dequant" and rel_err(y, ref) < 1e-5
 

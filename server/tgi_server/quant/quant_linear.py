@@ -3,8 +3,15 @@ layout this device has for it.
 
 On CPU, chosen once at load:
 - "int4": 4-bit values whose groups, after sorting the input columns by
-  group (act-order), are runs of equal length: torch's packed int4 GEMM
-  (`_weight_int4pack_mm_for_cpu`, groups of 32/64/128/256, N % 16 == 0).
+  group (act-order), are runs of equal length. Where our C++ kernels load
+  (tgi_kernels.native) and the runs are multiples of 32 columns, ours
+  (csrc/int4_gemm.cpp) on their own layout (pack_int4_lanes), by rows: up to
+  INT4_GEMV_MAX_ROWS a GEMV that dequantizes on the fly; past it, in bf16 with
+  AMX, tiles dequantized into AMX's layout; else the weight dequantized into a
+  per-thread scratch for one dense GEMM. All accumulate in float and take x in
+  its own dtype (a float32 model stays exact; kernel_dtype does not apply).
+  Elsewhere torch's packed int4 GEMM (`_weight_int4pack_mm_for_cpu`, groups
+  of 32/64/128/256, N % 16 == 0).
   It computes w = (q - 8) * scale + zero, so zero = offset + 8 * scale.
   Its bf16 path is vectorized, its fp32/fp16 paths are scalar: past
   INT4_KERNEL_MAX_ROWS input rows (prefill in bf16; any fp32/fp16 GEMM), the weight is
@@ -13,7 +20,7 @@ On CPU, chosen once at load:
   (w = q_int8 * scale); an asymmetric row adds sum(x) * its constant.
   Also vectorized for bf16 only, and even there slower than dequantizing
   into a dense GEMM past INT8_KERNEL_MAX_ROWS rows (in fp32/fp16 at any size).
-`kernel_dtype` bfloat16 with float32 activations feeds both kernels bf16
+`kernel_dtype` bfloat16 with float32 activations feeds both torch kernels bf16
 (x rounded to bf16, scales and output too): what the shard does in float32
 unless --dtype float32 was asked for (shard.py), 10-20x faster per GEMM.
 
@@ -31,12 +38,21 @@ from torch import nn
 from torch.nn import functional as F
 
 from tgi_kernels import triton as triton_kernels
+from tgi_kernels.native import native_ops
 from tgi_kernels.triton import pack_quantized, quant_matmul
 
 from ..distributed import TensorParallel
 from .quantized_matrix import QuantizedMatrix
 
 INT4_GROUP_SIZES = (256, 128, 64, 32)
+# Our int4 layout: 16 output rows a block, groups of a multiple of 32 columns.
+LANES, LANE_GROUP = 16, 32
+# Rows up to which our GEMV beats dequantizing into tiles / a dense GEMM (bf16 with AMX under
+# "amx"), measured at SmolLM2's shapes summed, one thread: bf16 AMX 12.0 / 14.9 / 18.6 ms against
+# 14.1 / 14.4 / 14.3 at 4 / 6 / 8 rows over its 120 matrices (cold, as in decode); bf16 without
+# AMX (oneDNN's AVX512-BF16 GEMM) 5.4 against 7.0 ms at 64 rows; fp32 and fp16 at 32 rows 2.5 against
+# 2.7-2.8 ms compiled for AVX-512, but for AVX2 (two ymm a vector) fp32 2.2 against 2.0 at 16.
+INT4_GEMV_MAX_ROWS = {"amx": 5, torch.bfloat16: 64, torch.float16: 16, torch.float32: 16}
 # Rows up to which the packed int4 kernel beats unpack + dense GEMM, measured at SmolLM2's
 # shapes ([1536, 576] and [576, 1536], 2 threads, AVX-512 and AVX2 dispatch alike): bf16 int4
 # takes 0.66 ms at 128 rows against 0.6 ms to unpack + 0.3 dense; fp32 and fp16 int4 are
@@ -61,6 +77,22 @@ def serves_triton(device: torch.device) -> bool:
     return device.type == "cuda" and triton_kernels.is_available(device)
 
 
+def pack_int4_lanes(q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] uint8 < 16, scales and offsets [N, G] (group g: columns [g K/G, (g+1) K/G))
+    -> (packed [B, K/2, 16] uint8, scale_offset [B, G, 2, 16] in dtype), B = ceil(N / 16):
+    the layout of csrc/int4_gemm.cpp. Byte (b, p, j) holds q[16b + j, 2p] in its low
+    nibble and q[16b + j, 2p + 1] in its high one; (b, g, 0/1, j) is row 16b + j's
+    scale / offset in group g. Rows past N are zero."""
+    n, k = q.shape
+    blocks = -(-n // LANES)
+    pad = blocks * LANES - n
+    pairs = F.pad(q, (0, 0, 0, pad)).view(blocks, LANES, k // 2, 2)
+    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2).contiguous()
+    so = F.pad(torch.stack([scales, offsets], -1), (0, 0, 0, 0, 0, pad))  # [B * 16, G, 2]
+    return packed, so.view(blocks, LANES, -1, 2).permute(0, 2, 3, 1).to(dtype).contiguous()
+
+
 def unpack_int4pack(packed: torch.Tensor, n: int, k: int, block: int,
                     dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     """packed [N, K/2] uint8 from `_convert_weight_to_int4pack_for_cpu(q, 1)` -> q [N, K] in
@@ -81,8 +113,10 @@ class QuantLinear(nn.Module):
 
     reduce: the group over which y is summed (row-parallel, world size > 1).
     kernel_dtype: the activations' dtype inside torch's CPU kernels (None: dtype;
-    bfloat16 with float32 dtype trades exactness for speed, see above).
-    `kernel` names the layout chosen ("int4" | "int8" | "triton" | "dequant")."""
+    bfloat16 with float32 dtype trades exactness for speed, see above); our int4
+    kernels take x in dtype whatever it says.
+    `kernel` names the layout chosen ("int4" | "int8" | "triton" | "dequant"); an
+    int4 layer's `native` is our kernels' op namespace, or None on torch's."""
 
     def __init__(self, matrix: QuantizedMatrix, bias: torch.Tensor | None, dtype: torch.dtype,
                  device: torch.device, reduce: TensorParallel | None = None,
@@ -96,7 +130,7 @@ class QuantLinear(nn.Module):
         if dtype in PACKED_KERNEL_DTYPES and matrix.bits in (4, 8) and serves_triton(device):
             self._init_triton(matrix, device)
             self.kernel = "triton"
-        elif packed and self._init_int4(matrix, kernel_dtype or dtype):
+        elif packed and self._init_int4(matrix, dtype, kernel_dtype or dtype):
             self.kernel = "int4"
         elif packed and matrix.bits == 8 and matrix.scales.shape[1] == 1:
             self._init_int8(matrix, kernel_dtype or dtype)
@@ -108,31 +142,50 @@ class QuantLinear(nn.Module):
             self.register_buffer("group", matrix.group.to(device), persistent=False)  # [K]
             self.kernel = "dequant"
 
-    def _init_int4(self, m: QuantizedMatrix, dtype: torch.dtype) -> bool:
-        if m.bits != 4 or self.out_features % 16:
+    def _init_int4(self, m: QuantizedMatrix, dtype: torch.dtype, kernel_dtype: torch.dtype) -> bool:
+        if m.bits != 4:
             return False
         order = torch.argsort(m.group, stable=True)  # [K]: input columns sorted by group
         counts = torch.bincount(m.group, minlength=m.scales.shape[1])
         run = int(counts[0])
         if not bool((counts == run).all()):
             return False
+        self.native = native_ops() if run % LANE_GROUP == 0 else None
         size = next((s for s in INT4_GROUP_SIZES if run % s == 0), None)
-        if size is None:
+        if self.native is None and (size is None or self.out_features % 16):
             return False
         if not torch.equal(order, torch.arange(self.in_features)):
             self.perm = order
-        q = m.q[:, order].to(torch.int32)  # [N, K], groups now contiguous
+        q = m.q[:, order]  # [N, K], groups now contiguous
+        if self.native is not None:
+            packed, scale_offset = pack_int4_lanes(q, m.scales, m.offsets, dtype)
+            self.packed, self.scale_offset = _frozen(packed), _frozen(scale_offset)
+            self.amx = dtype == torch.bfloat16 and self.native.int4_amx_available()
+            self.gemv_max_rows = INT4_GEMV_MAX_ROWS["amx" if self.amx else dtype]
+            return True
+        q = q.to(torch.int32)
         # Groups longer than the kernel's repeat their scale: [N, G] -> [N, K / size].
         scales = m.scales.repeat_interleave(run // size, dim=1)
         zeros = m.offsets.repeat_interleave(run // size, dim=1) + 8 * scales
         self.packed = _frozen(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))  # [N, K / 2] uint8
-        self.scale_zeros = _frozen(torch.stack([scales, zeros], -1).transpose(0, 1).contiguous().to(dtype))  # [K/size, N, 2]
+        self.scale_zeros = _frozen(torch.stack([scales, zeros], -1).transpose(0, 1).contiguous().to(kernel_dtype))  # [K/size, N, 2]
         self.group_size = size
         self.unpack_block = next((b for b in UNPACK_BLOCKS if self.out_features % b == 0 and torch.equal(
             unpack_int4pack(self.packed, *q.shape, b), q.to(torch.uint8))), None)
         # None: the kernel at any size
-        self.int4_max_rows = None if self.unpack_block is None else INT4_KERNEL_MAX_ROWS[dtype]
+        self.int4_max_rows = None if self.unpack_block is None else INT4_KERNEL_MAX_ROWS[kernel_dtype]
         return True
+
+    def _native_int4(self, x: torch.Tensor) -> torch.Tensor:
+        """Our kernels on x [T, K] (columns in kernel order) -> [T, N] in the layer's dtype."""
+        x = x.to(self.scale_offset.dtype).contiguous()
+        if x.shape[0] <= self.gemv_max_rows:
+            op = self.native.int4_gemv
+        elif self.amx:
+            op = self.native.int4_amx_mm
+        else:
+            op = self.native.int4_dequant_mm
+        return op(x, self.packed, self.scale_offset, self.out_features)
 
     def _dense_int4(self, dtype: torch.dtype) -> torch.Tensor:
         """The int4 layout's weight [N, K] (columns in kernel order) in `dtype`."""
@@ -164,7 +217,9 @@ class QuantLinear(nn.Module):
             y = quant_matmul(x.reshape(-1, self.in_features), self.triton_weight).view(*x.shape[:-1], self.out_features)
         elif self.kernel == "int4":
             xs = x if self.perm is None else x.index_select(-1, self.perm)
-            if self.int4_max_rows is not None and xs.numel() > self.int4_max_rows * self.in_features:
+            if self.native is not None:
+                y = self._native_int4(xs)
+            elif self.int4_max_rows is not None and xs.numel() > self.int4_max_rows * self.in_features:
                 y = F.linear(xs, self._dense_int4(x.dtype))
             else:
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(

@@ -1,0 +1,140 @@
+"""Our int4 CPU kernels (csrc/int4_gemm.cpp): each computes x @ w.T for the
+dequantized w at every row count, shape and dtype, and QuantLinear serves
+4-bit layers on them without keeping torch's layout too."""
+
+import pytest
+import torch
+
+from tgi_kernels.native import native_ops
+from tgi_server.quant import QuantLinear, QuantizedMatrix, quantize_rtn
+from tgi_server.quant.quant_linear import INT4_GEMV_MAX_ROWS, pack_int4_lanes
+
+ops = native_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="the C++ CPU kernels did not build here")
+CPU = torch.device("cpu")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Relative max error against the float32 product of the same (dtype-rounded) weights: float32
+# accumulates exactly to rounding; bf16 / fp16 also round the output, and the GEMMs the weights.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+# (N, K, group): SmolLM2's qkv; N not a multiple of 16 (a partial block); an odd number of
+# blocks (the AMX kernel pairs them); one group a row; groups of 64 and 128.
+SHAPES = [(960, 576, 32), (40, 256, 64), (37, 96, 32), (130, 192, -1), (48, 1536, 128)]
+
+
+def matrix(n: int, k: int, group: int, seed: int = 0) -> QuantizedMatrix:
+    return quantize_rtn(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)), 4, group, symmetric=False)
+
+
+def operands(m: QuantizedMatrix, dtype: torch.dtype, rows: int):
+    """(x, packed, scale_offset, reference): reference = x @ w.T in float32, w from the
+    scales and offsets as the layout holds them (rounded to dtype)."""
+    packed, scale_offset = pack_int4_lanes(m.q, m.scales, m.offsets, dtype)
+    w = m.q.float() * m.scales.to(dtype).float()[:, m.group] + m.offsets.to(dtype).float()[:, m.group]
+    x = torch.randn(rows, m.shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
+    return x, packed, scale_offset, x.float() @ w.T
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref).abs().max() / ref.abs().max())
+
+
+def test_the_layout_holds_each_value_where_the_kernels_read_it():
+    m = matrix(37, 96, 32)
+    packed, so = pack_int4_lanes(m.q, m.scales, m.offsets, torch.float32)
+    assert packed.shape == (3, 48, 16) and so.shape == (3, 3, 2, 16)
+    n, p = 16 + 5, 7  # row 21 = block 1, lane 5; columns 14 and 15 = pair 7
+    assert packed[1, p, 5] == m.q[n, 2 * p] | (m.q[n, 2 * p + 1] << 4)
+    assert so[1, 2, 0, 5] == m.scales[n, 2] and so[1, 2, 1, 5] == m.offsets[n, 2]
+    assert not packed[2, :, 5:].any() and not so[2, :, :, 5:].any()  # rows past N
+
+
+@pytest.mark.parametrize("n, k, group", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
+def test_gemv_equals_the_dequantized_product(n, k, group, dtype, rows):
+    x, packed, so, ref = operands(matrix(n, k, group), dtype, rows)
+    y = ops.int4_gemv(x, packed, so, n)
+    assert y.shape == (rows, n) and y.dtype == dtype and rel_err(y, ref) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("n, k, group", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 33, 130])
+def test_dequantized_gemm_equals_the_dequantized_product(n, k, group, dtype, rows):
+    x, packed, so, ref = operands(matrix(n, k, group), dtype, rows)
+    y = ops.int4_dequant_mm(x, packed, so, n)
+    assert y.shape == (rows, n) and y.dtype == dtype and rel_err(y, ref) < TOLERANCE[dtype]
+
+
+needs_amx = pytest.mark.skipif(ops is None or not ops.int4_amx_available(), reason="no AMX-BF16 here")
+
+
+@needs_amx
+@pytest.mark.parametrize("n, k, group", SHAPES)
+@pytest.mark.parametrize("rows", [1, 16, 17, 32, 33, 100])
+def test_amx_equals_the_dequantized_product(n, k, group, rows):
+    x, packed, so, ref = operands(matrix(n, k, group), torch.bfloat16, rows)
+    y = ops.int4_amx_mm(x, packed, so, n)
+    assert y.shape == (rows, n) and rel_err(y, ref) < TOLERANCE[torch.bfloat16]
+    # The same bf16 weights and float accumulation as the dense GEMM: equal up to the output's rounding.
+    assert rel_err(y, ops.int4_dequant_mm(x, packed, so, n).float()) < 1e-2
+
+
+def test_the_kernels_check_their_operands():
+    x, packed, so, _ = operands(matrix(48, 128, 32), torch.float32, 2)
+    with pytest.raises(RuntimeError, match="x's dtype"):
+        ops.int4_gemv(x.bfloat16(), packed, so, 48)
+    with pytest.raises(RuntimeError, match="n does not match"):
+        ops.int4_gemv(x, packed, so, 20)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        ops.int4_dequant_mm(x[:, :64].contiguous(), packed, so, 48)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_quant_linear_serves_every_row_count_on_our_kernels(dtype, act_order):
+    """Below, at and past the GEMV's row limit, with the input columns permuted
+    (act-order) or not: the layer equals the dequantized reference."""
+    w = torch.randn(40, 256, generator=torch.Generator().manual_seed(3))
+    m = quantize_rtn(w, 4, 64, symmetric=False)
+    if act_order:
+        perm = torch.randperm(256, generator=torch.Generator().manual_seed(4))
+        m = QuantizedMatrix(m.q[:, perm].contiguous(), m.scales, m.offsets, m.group[perm], 4)
+    layer = QuantLinear(m, torch.ones(40, dtype=dtype), dtype, CPU)
+    assert layer.kernel == "int4" and layer.native is not None and (layer.perm is not None) == act_order
+    w = m.q.float() * m.scales.to(dtype).float()[:, m.group] + m.offsets.to(dtype).float()[:, m.group]
+    for rows in (1, layer.gemv_max_rows, layer.gemv_max_rows + 1, 70):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        with torch.inference_mode():
+            y = layer(x)
+        assert y.dtype == dtype and rel_err(y, x.float() @ w.T + 1) < TOLERANCE[dtype]
+
+
+def test_quant_linear_keeps_only_our_layout():
+    """No second copy: the nibbles (K / 2 bytes a row) and one scale and offset a
+    group, nothing of torch's packed layout."""
+    layer = QuantLinear(matrix(960, 576, 32), None, torch.bfloat16, CPU)
+    held = {name: t.numel() * t.element_size() for name, t in layer.named_parameters()}
+    assert held == {"packed": 960 * 576 // 2, "scale_offset": 960 * 18 * 2 * 2}
+    assert not hasattr(layer, "scale_zeros")
+
+
+def test_float32_stays_exact_whatever_kernel_dtype_says():
+    """kernel_dtype (bf16 activations for torch's kernels) does not apply to ours:
+    a float32 model's int4 layers take x and their scales in float32."""
+    m = matrix(48, 128, 32)
+    layer = QuantLinear(m, None, torch.float32, CPU, kernel_dtype=torch.bfloat16)
+    assert layer.scale_offset.dtype == torch.float32
+    for rows in (1, 40):
+        x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(5))
+        with torch.inference_mode():
+            assert rel_err(layer(x), x @ m.dequantize().T) < 1e-5
+
+
+def test_groups_that_are_not_runs_of_32_keep_the_torch_paths():
+    layer = QuantLinear(matrix(48, 128, 16), None, torch.float32, CPU)
+    assert layer.kernel == "dequant"
+
+
+def test_gemv_limits_cover_each_path():
+    assert set(INT4_GEMV_MAX_ROWS) == {"amx", *DTYPES}
