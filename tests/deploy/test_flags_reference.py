@@ -12,7 +12,7 @@ REFERENCE = ROOT / "docs" / "reference" / "launcher.md"
 # Flags of other programs that the docs quote in backticks.
 OTHER_TOOLS = {"--gpus", "--shm-size", "--user", "--build-arg", "--target", "--profile", "--init",
                "--replicas", "--from-literal", "--no-deps", "--config.file", "--index-url",
-               "--health-start-period"}
+               "--health-start-period", "--no-repack"}  # the last: llama-server's, in the peers benchmark
 INLINE_FLAG = re.compile(r"`(--[a-z][a-z0-9.-]*)[ =`]")
 
 
