@@ -33,7 +33,10 @@ import torch
 log = logging.getLogger("tgi_kernels")
 
 SOURCES = Path(__file__).with_name("csrc")
-CXXFLAGS = ["-O3", "-march=native", "-std=c++20", "-fPIC", "-fopenmp-simd", "-DNDEBUG", "-w"]
+# -fopenmp: at::parallel_for is inline and spreads work over threads only
+# where OpenMP is on; the library then shares torch's own libgomp (one
+# runtime, one thread pool: the soname is already loaded when it loads).
+CXXFLAGS = ["-O3", "-march=native", "-std=c++20", "-fPIC", "-fopenmp", "-DNDEBUG", "-w"]
 LIBRARY = "tgi_cpu"
 
 
@@ -80,7 +83,7 @@ def _compile(compiler: str, out: Path) -> None:
             list(pool.map(one, zip(_sources(), objects)))
         lib = library_paths()[0]
         partial = Path(tmp) / "lib.so"
-        _run([compiler, "-shared", *map(str, objects), f"-L{lib}", f"-Wl,-rpath,{lib}",
+        _run([compiler, "-shared", "-fopenmp", *map(str, objects), f"-L{lib}", f"-Wl,-rpath,{lib}",
               "-lc10", "-ltorch_cpu", "-o", str(partial)])
         os.replace(partial, out)  # atomic: a reader never sees half a library
 
