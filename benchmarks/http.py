@@ -87,17 +87,26 @@ def _launch(port: int, tmp: str, extra_args: tuple[str, ...] = (), log=subproces
 @contextlib.contextmanager
 def launched(tmp: str, extra_args: tuple[str, ...] = (), log=subprocess.DEVNULL):
     """The real launcher on a free port, its shard sockets in `tmp` (more
-    launcher flags in `extra_args`, its output to `log`); yields its URL once
-    healthy, stops it on exit."""
+    launcher flags in `extra_args`, its output to `log`); yields (its URL, its
+    process: the router runs in it, the shards in its children) once healthy,
+    stops it on exit."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     proc = _launch(port, tmp, extra_args, log)
     try:
         _wait_healthy(url, proc)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process's own threads (not its
+    children): fields 14 and 15 of /proc/PID/stat, in clock ticks."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # the name (field 2) may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -122,7 +131,7 @@ def run() -> dict:
     del model
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        with launched(tmp) as url:
+        with launched(tmp) as (url, _):
             asyncio.run(load(url, prompts[:2], 2))  # warm up
             for c, n in LOADS:
                 runs = [asyncio.run(load(url, prompts[:n], c)) for _ in range(engine_bench.REPEATS)]

@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 
 from . import engine as engine_bench
-from .http import _free_port, _wait_healthy, gather_limited, launched, pct_ms
+from .http import _free_port, _wait_healthy, gather_limited, launched, pct_ms, process_cpu_seconds
 from .machine import dtype_name, serving_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,14 +51,17 @@ VLLM_STAMP = PEERS / "vllm-venv" / ".installed"
 LLAMA_SERVER = PEERS / "llama.cpp-build" / "bin" / "llama-server"
 LOGS = PEERS / "logs"
 
-CONCURRENCY = (1, 8, 32, 64)
+# A subset for a quicker look (the ratio keys that need a missing load are
+# null then): PEERS_CONCURRENCY=32 PEERS_SYSTEMS=ours_dense make bench BENCH=peers
+CONCURRENCY = tuple(int(c) for c in os.environ.get("PEERS_CONCURRENCY", "1,8,32,64").split(","))
 WARMUP_TOKENS = 16
 MODEL_NAME = "smollm2"          # the name vLLM serves; ours and llama-server ignore the field
 MAX_MODEL_LEN = 2048            # vLLM's --max-model-len (SmolLM2's own is 8192)
 LLAMA_SLOT_CTX = 512            # llama-server context per slot: prompt + new tokens, with room (a multiple of 256)
 START_TIMEOUT_S = 900           # vLLM compiles its graphs at its first start (~3-4 min on 2 cores)
 KV_CACHE_BYTES = 1 << 30        # vLLM's, as ours (benchmarks.http starts ours with 1 GiB)
-SYSTEMS = ("ours_default", "ours_dense", "vllm", "llamacpp")
+SYSTEMS = tuple(s for s in ("ours_default", "ours_dense", "vllm", "llamacpp")
+                if s in os.environ.get("PEERS_SYSTEMS", "ours_default,ours_dense,vllm,llamacpp").split(","))
 LABELS = {"ours_default": "ours, Q4_1 GGUF", "ours_dense": "ours, dense", "vllm": "vLLM (CPU)",
           "llamacpp": "llama-server, Q4_1"}
 
@@ -137,9 +140,17 @@ async def measure(url: str, prompts: list[str], concurrency: int, max_tokens: in
             "sample": ok[0]["text"][:60] if ok else ""}
 
 
-def run_load(url: str, prompts: dict, c: int) -> dict:
+def run_load(url: str, prompts: dict, c: int, router_pid: int | None = None) -> dict:
+    """Warm-up then the measured load at concurrency c; with router_pid (ours:
+    the launcher, where the router runs) also the CPU seconds that process
+    spent per 1,000 tokens streamed (the load generator runs in this one)."""
     asyncio.run(measure(url, prompts["warmup", c], c, WARMUP_TOKENS))
-    return asyncio.run(measure(url, prompts["measure", c], c, engine_bench.NEW_TOKENS))
+    cpu = process_cpu_seconds(router_pid) if router_pid else 0.0
+    result = asyncio.run(measure(url, prompts["measure", c], c, engine_bench.NEW_TOKENS))
+    if router_pid:
+        tokens = result["tok_s"] * result["seconds"]
+        result["router_cpu_s_per_1k_tokens"] = (process_cpu_seconds(router_pid) - cpu) / tokens * 1000 if tokens else None
+    return result
 
 
 # -- the systems -----------------------------------------------------------------
@@ -203,8 +214,8 @@ def run_ours(model_dir: Path | None, prompts: dict, name: str) -> dict:
     LOGS.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp, open(LOGS / f"{name}.log", "w") as log:
         try:
-            with launched(tmp, extra, log) as url:
-                return {c: run_load(url, prompts, c) for c in CONCURRENCY}
+            with launched(tmp, extra, log) as (url, proc):
+                return {c: run_load(url, prompts, c, proc.pid) for c in CONCURRENCY}
         except RuntimeError as err:
             raise RuntimeError(f"{err} ({LOGS / name}.log: {_log_tail(LOGS / f'{name}.log')})") from None
 
@@ -276,10 +287,14 @@ def versions() -> dict:
 # -- the report -----------------------------------------------------------------
 
 
-def _round(value):
+def _round(value, digits: int = 1):
     if isinstance(value, float):
-        return None if value != value else round(value, 1)
+        return None if value != value else round(value, digits)
     return value
+
+
+def _cpu(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.3f}"
 
 
 def _ratio(a: dict | None, b: dict | None, key: str = "tok_s"):
@@ -330,7 +345,7 @@ def run() -> dict:
           f"/v1/completions, closed loop; dense = {dtype_name(serving_dtype())}")
     print("TTFT: to the first chunk with text; ITL: between chunks with text (per chunk arrival)")
     print(f"{'system':<20}{'c':>4}{'reqs':>6}{'tok/s':>8}{'new/req':>9}{'prompt':>8}{'TTFT p50':>10}"
-          f"{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'errors':>8}  counted by")
+          f"{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'errors':>8}{'router':>8}  counted by")
     for system in SYSTEMS:
         if system in errors:
             print(f"{LABELS[system]:<20}  not measured: {errors[system]}")
@@ -338,20 +353,23 @@ def run() -> dict:
         for c, r in results[system].items():
             print(f"{LABELS[system]:<20}{c:>4}{r['requests']:>6}{r['tok_s']:>8.1f}{r['new_tokens_per_request']:>9.1f}"
                   f"{r['prompt_tokens']:>8.1f}{r['ttft_p50_ms']:>10.0f}{r['ttft_p99_ms']:>10.0f}"
-                  f"{r['itl_p50_ms']:>9.1f}{r['itl_p99_ms']:>9.1f}{r['errors']:>8}  {r['counted_by']}")
+                  f"{r['itl_p50_ms']:>9.1f}{r['itl_p99_ms']:>9.1f}{r['errors']:>8}"
+                  f"{_cpu(r.get('router_cpu_s_per_1k_tokens')):>8}  {r['counted_by']}")
             if r["first_error"]:
                 print(f"{'':<24}first error: {r['first_error']}")
     for system, note in notes.items():
         print(f"note: {LABELS[system]}: {note}")
-    print("first answer at c=1 (greedy):")
+    print("router: our router's CPU seconds per 1,000 tokens streamed (the launcher process, shards excluded)")
+    print(f"first answer at c={CONCURRENCY[0]} (greedy):")
     for system, per_load in results.items():
-        print(f"  {LABELS[system]:<20}{per_load[1]['sample']!r}")
+        print(f"  {LABELS[system]:<20}{per_load[CONCURRENCY[0]]['sample']!r}")
 
     for system, per_load in results.items():
         for c, r in per_load.items():
             for key in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "errors",
-                        "new_tokens_per_request"):
-                out[f"peers_{system}_c{c}_{key}"] = _round(r[key])
+                        "new_tokens_per_request", "router_cpu_s_per_1k_tokens"):
+                if key in r:
+                    out[f"peers_{system}_c{c}_{key}"] = _round(r[key], 3 if key.startswith("router") else 1)
     for system, why in errors.items():
         out[f"peers_{system}_error"] = why
     for system, note in notes.items():

@@ -188,7 +188,7 @@ async def drive(url: str) -> dict:
 
 
 def run() -> dict:
-    with tempfile.TemporaryDirectory() as tmp, launched(tmp) as url:
+    with tempfile.TemporaryDirectory() as tmp, launched(tmp) as (url, _):
         out = asyncio.run(drive(url))
     results = out["results"]
     print(f"Structured output within max_new_tokens: SmolLM2 over HTTP, {dtype_name(serving_dtype())}, "

@@ -7,6 +7,7 @@ is checked before any route, by api_key.ApiKeyMiddleware.)"""
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -107,33 +108,18 @@ class Gate:
         `request`, a disconnect raises CancelledError (a streaming response
         learns it from its own send failing instead)."""
         streams = admitted.streams
-        getters = {asyncio.ensure_future(s.events.get()): i for i, s in enumerate(streams)}
-        watcher = asyncio.ensure_future(_watch_disconnect(request)) if request is not None else None
         previous = [0.0] * len(streams)
-        try:
-            while getters:
-                done, _ = await asyncio.wait(set(getters) | ({watcher} if watcher else set()),
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if watcher in done:
-                    raise asyncio.CancelledError("client disconnected")
-                for getter in done:
-                    i = getters.pop(getter)
-                    event = getter.result()
-                    if event is None:
-                        self._finished(streams[i])
-                        continue
-                    if isinstance(event, ErrorEvent):
-                        self.metrics.request_failed("generation")
-                        yield i, event
-                        return
+        async with aclosing(_interleaved(streams, request)) as events:
+            async for i, event in events:
+                if event is None:
+                    self._finished(streams[i])
+                elif isinstance(event, ErrorEvent):
+                    self.metrics.request_failed("generation")
+                    yield i, event
+                    return
+                else:
                     self._token_latency(streams[i], previous, i)
                     yield i, event
-                    getters[asyncio.ensure_future(streams[i].events.get())] = i
-        finally:
-            for getter in getters:
-                getter.cancel()
-            if watcher is not None:
-                watcher.cancel()
 
     def _token_latency(self, stream: RequestStream, previous: list[float], i: int) -> None:
         t = stream.timings
@@ -150,6 +136,41 @@ class Gate:
             queue_s=(t.first_scheduled or t.queued) - t.queued,
             inference_s=t.finished - (t.first_scheduled or t.queued),
             generated_tokens=stream.generated_tokens)
+
+
+async def _interleaved(streams: list[RequestStream], request: Request | None
+                       ) -> AsyncIterator[tuple[int, StreamEvent | ErrorEvent | None]]:
+    """(stream index, event) from every stream's queue, each stream's end
+    (None) included, until all have ended; with `request`, CancelledError
+    when the client hangs up first."""
+    if len(streams) == 1 and request is None:
+        # The streamed request of one choice, the common case: awaiting its
+        # queue alone costs a fraction of asyncio.wait's futures and sets
+        # per token (and returns without suspending while events are queued).
+        queue = streams[0].events
+        while (event := await queue.get()) is not None:
+            yield 0, event
+        yield 0, None
+        return
+    getters = {asyncio.ensure_future(s.events.get()): i for i, s in enumerate(streams)}
+    watcher = asyncio.ensure_future(_watch_disconnect(request)) if request is not None else None
+    try:
+        while getters:
+            done, _ = await asyncio.wait(set(getters) | ({watcher} if watcher else set()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if watcher in done:
+                raise asyncio.CancelledError("client disconnected")
+            for getter in done:
+                i = getters.pop(getter)
+                event = getter.result()
+                yield i, event
+                if event is not None:
+                    getters[asyncio.ensure_future(streams[i].events.get())] = i
+    finally:
+        for getter in getters:
+            getter.cancel()
+        if watcher is not None:
+            watcher.cancel()
 
 
 async def _watch_disconnect(request: Request) -> None:

@@ -21,7 +21,7 @@ from .errors import (BodyDeserializeError, BodySyntaxError, GenerationError, Rou
 from .openai_api import add_openai_routes
 from .payload_limit import PayloadLimitMiddleware
 from .request_stream import ErrorEvent, RequestStream
-from .responses import generate_response, stream_response, timing_headers
+from .responses import generate_response, stream_response, stream_token_event, timing_headers
 from .validation import check_input_chars, tokenize_text, validate
 
 __all__ = ["ApiSettings", "ServerState", "create_app"]
@@ -139,6 +139,7 @@ async def _tgi_events(gate: Gate, admitted: Admitted) -> AsyncIterator[bytes]:
                 yield b"data:" + json.dumps(err).encode() + b"\n\n"
                 return
             index += 1
-            yield b"data:" + stream_response(stream, event, index).model_dump_json().encode() + b"\n\n"
+            yield stream_token_event(event, index) or (
+                b"data:" + stream_response(stream, event, index).model_dump_json().encode() + b"\n\n")
     finally:
         admitted.close()

@@ -18,6 +18,7 @@ from .admission import Admitted, Gate
 from .errors import GenerationError, error_response
 from .request_stream import ErrorEvent, RequestStream, SequenceResult, TokenOut
 from .sequence import FinishReason
+from .sse import compact_json
 from .tool_calls import ToolCallStream, ToolPlan, new_call_id, parse_tool_call
 
 __all__ = ["ResponseMeta", "chat_chunks", "completion_chunks", "finish_reason", "chat_token_logprobs",
@@ -72,6 +73,21 @@ def _data(model) -> bytes:
     return b"data: " + model.model_dump_json().encode() + b"\n\n"
 
 
+class _Frame:
+    """One response's SSE event bytes around a chunk's `choices`, built once
+    from a chunk model with no choices: a token's chunk is then its choice's
+    JSON between them, with no model built per token (pydantic's validate
+    and dump cost more than the rest of a token's route work together)."""
+
+    def __init__(self, model_cls, fields: dict):
+        head, tail = _data(model_cls.model_validate({**fields, "choices": []})).split(b'"choices":[]')
+        self.head, self.tail = head + b'"choices":[', b"]" + tail
+
+    def event(self, choice: dict) -> bytes:
+        """The event of a chunk whose only choice is `choice` (plain values only)."""
+        return self.head + compact_json(choice) + self.tail
+
+
 def _error(event: ErrorEvent) -> bytes:
     _, err = error_response(GenerationError(event.message.removeprefix("Request failed during generation: ")))
     return b"data: " + json.dumps(err).encode() + b"\n\n"
@@ -83,11 +99,13 @@ async def chat_chunks(gate: Gate, admitted: Admitted, meta: ResponseMeta, tools:
     splitters = [ToolCallStream(may_call=tools.grammar is not None) for _ in range(n)]
     call_ids = [new_call_id() for _ in range(n)]
 
+    common = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
+              "system_fingerprint": meta.fingerprint, **({"usage": None} if include_usage else {})}
+    frame = _Frame(o.ChatCompletionChunk, common)
+
     def chunk(choices: list[dict], usage: o.Usage | None = None) -> bytes:
-        fields = {"usage": usage} if include_usage else {}
-        return _data(o.ChatCompletionChunk.model_validate({
-            "id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
-            "system_fingerprint": meta.fingerprint, "choices": choices, **fields}))
+        return _data(o.ChatCompletionChunk.model_validate({**common, "choices": choices,
+                                                            **({"usage": usage} if include_usage else {})}))
 
     def choice(i: int, delta: dict, lp: list[dict] | None = None, finish: str | None = None) -> dict:
         return {"index": i, "delta": delta, "logprobs": {"content": lp} if lp is not None else None,
@@ -115,7 +133,10 @@ async def chat_chunks(gate: Gate, admitted: Admitted, meta: ResponseMeta, tools:
         if not deltas and lp is not None and not splitters[i].is_call:
             deltas.append({"content": ""})  # the token's logprobs still arrive
         for k, delta in enumerate(deltas):
-            yield chunk([choice(i, delta, lp if k == 0 else None)])
+            if lp is None and "content" in delta:  # a token's text: the common chunk
+                yield frame.event(choice(i, delta))
+            else:
+                yield chunk([choice(i, delta, lp if k == 0 else None)])
         if event.result is not None:
             called = splitters[i].is_call and parse_tool_call(event.result.generated_text) is not None
             yield chunk([choice(i, {}, finish=finish_reason(event.result, called))])
@@ -129,11 +150,13 @@ async def completion_chunks(gate: Gate, admitted: Admitted, meta: ResponseMeta, 
     tokenizer = gate.engine.tokenizer
     offsets = [0] * len(admitted.streams)
 
+    common = {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
+              "system_fingerprint": meta.fingerprint, **({"usage": None} if include_usage else {})}
+    frame = _Frame(o.CompletionChunk, common)
+
     def chunk(choices: list[dict], usage: o.Usage | None = None) -> bytes:
-        fields = {"usage": usage} if include_usage else {}
-        return _data(o.CompletionChunk.model_validate({
-            "id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
-            "system_fingerprint": meta.fingerprint, "choices": choices, **fields}))
+        return _data(o.CompletionChunk.model_validate({**common, "choices": choices,
+                                                       **({"usage": usage} if include_usage else {})}))
 
     if echo:
         for i, stream in enumerate(admitted.streams):
@@ -144,10 +167,13 @@ async def completion_chunks(gate: Gate, admitted: Admitted, meta: ResponseMeta, 
             yield _error(event)
             return
         text = content_text(event.token, tokenizer)
-        token = TokenOut(event.token.id, text, event.token.logprob, event.token.special)
-        lp = completion_logprobs([token], [event.top_tokens], offsets[i]) if logprobs else None
+        if logprobs:
+            token = TokenOut(event.token.id, text, event.token.logprob, event.token.special)
+            lp = completion_logprobs([token], [event.top_tokens], offsets[i])
+            yield chunk([{"index": i, "text": text, "logprobs": lp, "finish_reason": None}])
+        else:
+            yield frame.event({"index": i, "text": text, "logprobs": None, "finish_reason": None})
         offsets[i] += len(text)
-        yield chunk([{"index": i, "text": text, "logprobs": lp, "finish_reason": None}])
         if event.result is not None:
             yield chunk([{"index": i, "text": "", "logprobs": None,
                           "finish_reason": finish_reason(event.result, False)}])

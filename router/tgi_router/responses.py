@@ -4,6 +4,7 @@ import math
 
 from . import protocol as p
 from .request_stream import RequestStream, SequenceResult, StreamEvent, TokenOut
+from .sse import compact_json
 
 
 def token(t: TokenOut) -> p.Token:
@@ -51,6 +52,19 @@ def stream_response(stream: RequestStream, event: StreamEvent, index: int) -> p.
     return p.StreamResponse(
         index=index, token=token(event.token), top_tokens=[token(t) for t in event.top_tokens],
         generated_text=generated_text(stream, result, False) if result is not None else None, details=details)
+
+
+def stream_token_event(event: StreamEvent, index: int) -> bytes | None:
+    """The SSE event of a token that is not its sequence's last and has no
+    top tokens, as `stream_response` writes it (None for any other event):
+    built without models, the per-token work of a stream."""
+    if event.result is not None or event.top_tokens:
+        return None
+    t = event.token
+    return b"data:" + compact_json({
+        "index": index, "token": {"id": t.id, "text": t.text, "logprob": t.logprob if math.isfinite(t.logprob) else None,
+                                  "special": t.special},
+        "generated_text": None, "details": None}) + b"\n\n"
 
 
 def timing_headers(stream: RequestStream, compute_type: str) -> dict[str, str]:

@@ -360,3 +360,25 @@ def test_model_list_reaches_an_sdk_client(server):
     models = list(server.client.models.list())
     assert [m.id for m in models] == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
     assert SDKModel.model_validate(dump(model)).model_dump(mode="json", exclude_unset=True) == dump(model)
+
+
+TRICKY_TEXTS = ["", "plain", " leading space", 'quote " and \\ backslash', "new\nline\ttab\r\x00\x1f\x7f",
+                "caf\u00e9 \u4e2d\u6587 \U0001f600", "\u2028\u2029", "</script>", "\ufffd"]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("text", TRICKY_TEXTS)
+def test_fast_token_chunks_are_the_bytes_the_models_write(text, include_usage):
+    """A streamed token's chunk is built without a model per token: byte
+    for byte what the chunk models write, for any text and both usage modes."""
+    from tgi_router.openai_stream import _data, _Frame
+
+    common = {"id": 'cmpl-"x"', "created": 1700000000, "model": "m\u00f6del \"q\"", "system_fingerprint": "fp",
+              **({"usage": None} if include_usage else {})}
+    completion = {"index": 2, "text": text, "logprobs": None, "finish_reason": None}
+    assert (_Frame(CompletionChunk, {**common, "object": "text_completion"}).event(completion)
+            == _data(CompletionChunk.model_validate({**common, "object": "text_completion", "choices": [completion]})))
+    chat = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+    chat_common = {**common, "object": "chat.completion.chunk"}
+    assert (_Frame(ChatCompletionChunk, chat_common).event(chat)
+            == _data(ChatCompletionChunk.model_validate({**chat_common, "choices": [chat]})))

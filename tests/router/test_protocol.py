@@ -298,3 +298,19 @@ def test_importing_the_schemas_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True,
                          text=True, check=True, timeout=60)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("text", ["", " Deep", 'q " \\ \n\t\x00', "caf\u00e9 \U0001f600"])
+@pytest.mark.parametrize("logprob", [-0.25, -1e-05, -123.456789, 0.0, float("-inf"), float("nan")])
+@pytest.mark.parametrize("special", [False, True])
+def test_fast_stream_token_event_is_what_the_model_writes(text, logprob, special):
+    """A streamed token's event is built without models: the same JSON
+    (floats the same value, where the spelling may differ) as StreamResponse's."""
+    from tgi_router.request_stream import StreamEvent, TokenOut
+    from tgi_router.responses import stream_response, stream_token_event
+
+    event = StreamEvent(TokenOut(7, text, logprob, special), [])
+    fast = stream_token_event(event, 3)
+    assert fast.startswith(b"data:") and fast.endswith(b"\n\n")
+    assert json.loads(fast[5:]) == json.loads(stream_response(None, event, 3).model_dump_json())
+    assert stream_token_event(StreamEvent(TokenOut(7, text, logprob, special), [TokenOut(1, "a", -1.0, False)]), 3) is None
