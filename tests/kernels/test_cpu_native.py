@@ -107,6 +107,31 @@ def test_decode_reads_only_the_context_in_place(sliding_window):
 
 
 @needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [
+    (9, 3, 64),     # SmolLM2: all three kv heads in one work item
+    (32, 4, 64),    # G = 8: two kv heads an item
+    (16, 1, 128),   # G = 16, the most the kernel takes
+    (18, 6, 96),    # a head dim the vector path takes without unrolling; 3 kv heads an item
+    (4, 2, 80),     # not a multiple of 16: the plain path (with AVX-512)
+])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_decode_in_chunks_across_heads_and_blocks_matches_the_reference(dtype, heads, kv_heads, head_dim, block_size):
+    # Lengths inside, at and across block and 16-token chunk boundaries, and long enough to prefetch.
+    case = make_decode_case([1, 15, 16, 17, 64, 150], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                            block_size=block_size, dtype=dtype, seed=heads + head_dim)
+    want = paged_decode(case.query, case.k_cache, case.v_cache, case.decode, head_dim ** -0.5, backend="reference")
+    for window in (0, 21):
+        got = paged_decode(case.query, case.k_cache, case.v_cache, case.decode, head_dim ** -0.5, window,
+                           backend="cpu")
+        ref = (want if not window else
+               paged_decode(case.query, case.k_cache, case.v_cache, case.decode, head_dim ** -0.5, window,
+                            backend="reference"))
+        torch.testing.assert_close(got.float(), ref.float(), **(TOL[torch.float32] if dtype == torch.float32
+                                                                  else TOL[torch.bfloat16]))
+
+
+@needs_ops
 def test_decode_takes_the_query_as_a_strided_view_of_qkv():
     case = make_decode_case([3, 17], heads=4, kv_heads=2, head_dim=16, block_size=4, seed=2)
     qkv = torch.cat([case.query, torch.randn(2, 4, 16)], dim=1)  # [B, H + 2 KVH, D]

@@ -4,9 +4,11 @@
 // runs SDPA with a mask: at 32 sequences of 192 tokens (SmolLM2, bf16) it
 // took ~1.1 ms a layer, this ~0.1 ms.
 #include "common.h"
+#include "vec.h"
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 namespace tgi {
 namespace {
@@ -88,6 +90,110 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, int64_t block_st
   }
 }
 
+#if TGI_VEC
+// decode_one with explicit vectors (vec.h), for head_dim a multiple of the
+// vector width, over `hp` consecutive kv heads of one sequence at once: each
+// chunk of up to kChunk tokens of one block is then one contiguous run of
+// the cache ([tokens, hp heads, D]), widened to float once; each query head
+// takes a dot product per key (one horizontal sum each) and accumulates the
+// values with the softmax rescale folded into the first multiply. On SmolLM2
+// (3 kv heads of 64, G = 3, bf16, AVX-512, 32 sequences of 192 tokens) this
+// read the cache at 2x the per-head plain loop's speed.
+constexpr int64_t kChunk = 16, kMaxRow = 1024;  // floats of one token's hp heads
+
+template <typename T, int64_t kD>
+void decode_heads_vec(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride, int64_t token_stride,
+                      const int32_t* table, int64_t block_size, int64_t first, int64_t last, int64_t hp, int64_t G,
+                      int64_t head_dim, double scale, T* out) {
+  using namespace vec;
+  constexpr bool kFloat = std::is_same_v<T, float>;
+  const int64_t D = kD ? kD : head_dim, nj = D / kWidth, QH = hp * G, row = hp * D;
+  alignas(64) float qf[kMaxGroup * kMaxHeadDim], acc[kMaxGroup * kMaxHeadDim];
+  alignas(64) float kbuf[kFloat ? 1 : kChunk * kMaxRow], vbuf[kFloat ? 1 : kChunk * kMaxRow];
+  float s[kChunk], m[kMaxGroup], l[kMaxGroup];
+  const float* krow[kChunk];
+  const float* vrow[kChunk];
+  for (int64_t h = 0; h < QH; ++h) {
+    m[h] = -std::numeric_limits<float>::infinity();
+    l[h] = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      qf[h * D + d] = ld(q[h * D + d]) * float(scale);
+      acc[h * D + d] = 0;
+    }
+  }
+  for (int64_t t0 = first; t0 < last;) {
+    const int64_t block = table[t0 / block_size], offset = t0 % block_size;
+    const int64_t n = std::min({kChunk, block_size - offset, last - t0});
+    const T* kb = k_cache + block * block_stride + offset * token_stride;
+    const T* vb = v_cache + block * block_stride + offset * token_stride;
+    if (t0 + n < last) {
+      // The next chunk's block is anywhere in the cache, where the hardware
+      // prefetcher cannot follow: ask for its rows now, to arrive while
+      // this chunk computes (its first token's rows onward, one line each 64 bytes).
+      const int64_t next = t0 + n, nblock = table[next / block_size], noff = next % block_size;
+      const int64_t bytes = std::min({kChunk, block_size - noff, last - next}) * token_stride * int64_t(sizeof(T));
+      const char* nk = reinterpret_cast<const char*>(k_cache + nblock * block_stride + noff * token_stride);
+      const char* nv = reinterpret_cast<const char*>(v_cache + nblock * block_stride + noff * token_stride);
+      for (int64_t b = 0; b < bytes; b += 64) {
+        __builtin_prefetch(nk + b);
+        __builtin_prefetch(nv + b);
+      }
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      if constexpr (kFloat) {
+        krow[t] = kb + t * token_stride;
+        vrow[t] = vb + t * token_stride;
+      } else {
+        const T* kr = kb + t * token_stride;
+        const T* vr = vb + t * token_stride;
+        float* kw = kbuf + t * row;
+        float* vw = vbuf + t * row;
+#pragma omp simd
+        for (int64_t d = 0; d < row; ++d) kw[d] = ld(kr[d]);
+#pragma omp simd
+        for (int64_t d = 0; d < row; ++d) vw[d] = ld(vr[d]);
+        krow[t] = kw;
+        vrow[t] = vw;
+      }
+    }
+    for (int64_t h = 0; h < QH; ++h) {
+      const int64_t kv = (h / G) * D;  // this query head's kv head, within a row
+      const float* qh = qf + h * D;
+      for (int64_t t = 0; t < n; ++t) {
+        const float* kr = krow[t] + kv;
+        R a = mul(load(qh), load(kr));
+        for (int64_t j = 1; j < nj; ++j) a = fma(load(qh + j * kWidth), load(kr + j * kWidth), a);
+        s[t] = sum(a);
+      }
+      float mx = m[h];
+      for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+      // The first chunk rescales nothing: acc and l are still 0.
+      const float correction = m[h] == -std::numeric_limits<float>::infinity() ? 0.0f : exp_approx(m[h] - mx);
+      float total = 0;
+#pragma omp simd reduction(+ : total)
+      for (int64_t t = 0; t < n; ++t) {
+        s[t] = exp_approx(s[t] - mx);
+        total += s[t];
+      }
+      l[h] = l[h] * correction + total;
+      m[h] = mx;
+      float* ah = acc + h * D;
+      const R c = set1(correction);
+      for (int64_t j = 0; j < nj; ++j) {
+        R a = mul(load(ah + j * kWidth), c);
+        for (int64_t t = 0; t < n; ++t) a = fma(set1(s[t]), load(vrow[t] + kv + j * kWidth), a);
+        store(ah + j * kWidth, a);
+      }
+    }
+    t0 += n;
+  }
+  for (int64_t h = 0; h < QH; ++h) {
+    const float inv = 1.0f / l[h];
+    for (int64_t d = 0; d < D; ++d) out[h * D + d] = st<T>(acc[h * D + d] * inv);
+  }
+}
+#endif
+
 // One token of rotary_store_kv: x [H + 2 KVH, D] rotated in place for the
 // first H + KVH heads; its key and value heads copied to the token's slots.
 template <typename T>
@@ -145,8 +251,30 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
     const scalar_t* vp = v_cache.const_data_ptr<scalar_t>();
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
     // Few keys in all: stay on this thread rather than wake the pool.
-    const int64_t grain = work * H * D < (1 << 17) ? B * KVH : 1;
-    at::parallel_for(0, B * KVH, grain, [&](int64_t begin, int64_t end) {
+    const bool small = work * H * D < (1 << 17);
+#if TGI_VEC
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      if (D % vec::kWidth == 0) {
+        // Work items of hp kv heads of one sequence (hp * G query heads, hp
+        // * D floats a token: the stack buffers' bounds).
+        int64_t hp = std::max<int64_t>(1, std::min({KVH, kMaxGroup / G, kMaxRow / D}));
+        while (KVH % hp) --hp;
+        const int64_t parts = KVH / hp;
+        auto one = D == 64 ? decode_heads_vec<scalar_t, 64>
+                 : D == 128 ? decode_heads_vec<scalar_t, 128> : decode_heads_vec<scalar_t, 0>;
+        at::parallel_for(0, B * parts, small ? B * parts : 1, [&](int64_t begin, int64_t end) {
+          for (int64_t i = begin; i < end; ++i) {
+            const int64_t b = i / parts, h = (i % parts) * hp, n = lens[b];
+            const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, n - sliding_window) : 0;
+            one(qp + b * query.stride(0) + h * G * D, kp + h * D, vp + h * D, block_size * KVH * D, KVH * D,
+                tables + b * width, block_size, first, n, hp, G, D, scale, op + (b * H + h * G) * D);
+          }
+        });
+        return;
+      }
+    }
+#endif
+    at::parallel_for(0, B * KVH, small ? B * KVH : 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / KVH, h = i % KVH, n = lens[b];
         const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, n - sliding_window) : 0;
