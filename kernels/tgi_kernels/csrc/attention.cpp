@@ -15,6 +15,26 @@ namespace {
 
 constexpr int64_t kMaxGroup = 16, kMaxHeadDim = 256, kMaxBlock = 256;
 
+// One step of the online softmax: the n scores s of a chunk become
+// exp(s - new max) in place, the running max m and sum l move on, and the
+// factor by which values accumulated so far must be rescaled is returned.
+template <typename A>
+inline A online_softmax(A* s, int64_t n, A& m, A& l) {
+  A mx = m;
+  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+  // The first chunk rescales nothing: the accumulators and l are still 0.
+  const A correction = m == -std::numeric_limits<A>::infinity() ? A(0) : exp_approx(m - mx);
+  A total = 0;
+#pragma omp simd reduction(+ : total)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = exp_approx(s[t] - mx);
+    total += s[t];
+  }
+  l = l * correction + total;
+  m = mx;
+  return correction;
+}
+
 // One (sequence, kv head): the G query heads that share the kv head read
 // its K/V rows once, block by block, with an online softmax; each row is
 // widened to acc_t once for all G heads. Everything is on the stack (G <= 16,
@@ -55,19 +75,7 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, int64_t block_st
       }
     }
     for (int64_t g = 0; g < G; ++g) {
-      A* sg = s + g * block_size;
-      A mx = m[g];
-      for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
-      // The first block rescales nothing: acc and l are still 0.
-      const A correction = m[g] == -std::numeric_limits<A>::infinity() ? A(0) : exp_approx(m[g] - mx);
-      A sum = 0;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < n; ++t) {
-        sg[t] = exp_approx(sg[t] - mx);
-        sum += sg[t];
-      }
-      l[g] = l[g] * correction + sum;
-      m[g] = mx;
+      const A correction = online_softmax(s + g * block_size, n, m[g], l[g]);
       A* ag = acc + g * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
@@ -165,18 +173,7 @@ void decode_heads_vec(const T* q, const T* k_cache, const T* v_cache, int64_t bl
         for (int64_t j = 1; j < nj; ++j) a = fma(load(qh + j * kWidth), load(kr + j * kWidth), a);
         s[t] = sum(a);
       }
-      float mx = m[h];
-      for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
-      // The first chunk rescales nothing: acc and l are still 0.
-      const float correction = m[h] == -std::numeric_limits<float>::infinity() ? 0.0f : exp_approx(m[h] - mx);
-      float total = 0;
-#pragma omp simd reduction(+ : total)
-      for (int64_t t = 0; t < n; ++t) {
-        s[t] = exp_approx(s[t] - mx);
-        total += s[t];
-      }
-      l[h] = l[h] * correction + total;
-      m[h] = mx;
+      const float correction = online_softmax(s, n, m[h], l[h]);
       float* ah = acc + h * D;
       const R c = set1(correction);
       for (int64_t j = 0; j < nj; ++j) {
