@@ -98,6 +98,17 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, int64_t block_st
   }
 }
 
+// decode_one over hp consecutive kv heads of one sequence (the plain path
+// always gets hp = 1): the signature decode_heads_vec shares.
+template <typename T, int64_t kD>
+void decode_heads(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride, int64_t token_stride,
+                  const int32_t* table, int64_t block_size, int64_t first, int64_t last, int64_t hp, int64_t G,
+                  int64_t head_dim, double scale, T* out) {
+  for (int64_t i = 0; i < hp; ++i)
+    decode_one<T, kD>(q + i * G * head_dim, k_cache + i * head_dim, v_cache + i * head_dim, block_stride,
+                      token_stride, table, block_size, first, last, G, head_dim, scale, out + i * G * head_dim);
+}
+
 #if TGI_VEC
 // decode_one with explicit vectors (vec.h), for head_dim a multiple of the
 // vector width, over `hp` consecutive kv heads of one sequence at once: each
@@ -105,8 +116,8 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, int64_t block_st
 // the cache ([tokens, hp heads, D]), widened to float once; each query head
 // takes a dot product per key (one horizontal sum each) and accumulates the
 // values with the softmax rescale folded into the first multiply. On SmolLM2
-// (3 kv heads of 64, G = 3, bf16, AVX-512, 32 sequences of 192 tokens) this
-// read the cache at 2x the per-head plain loop's speed.
+// (3 kv heads of 64, G = 3, bf16, AVX-512 on Zen 4, 32 sequences of 192 or
+// 1,024 tokens) this took 1.3-1.6x less time than decode_one a kv head.
 constexpr int64_t kChunk = 16, kMaxRow = 1024;  // floats of one token's hp heads
 
 template <typename T, int64_t kD>
@@ -249,35 +260,28 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
     // Few keys in all: stay on this thread rather than wake the pool.
     const bool small = work * H * D < (1 << 17);
+    // Work items of hp kv heads of one sequence: the plain kernel takes one,
+    // the vector kernel as many as its stack buffers hold (hp * G query
+    // heads, hp * D floats a token).
+    int64_t hp = 1;
+    auto one = D == 64 ? decode_heads<scalar_t, 64> : D == 128 ? decode_heads<scalar_t, 128> : decode_heads<scalar_t, 0>;
 #if TGI_VEC
     if constexpr (!std::is_same_v<scalar_t, double>) {
       if (D % vec::kWidth == 0) {
-        // Work items of hp kv heads of one sequence (hp * G query heads, hp
-        // * D floats a token: the stack buffers' bounds).
-        int64_t hp = std::max<int64_t>(1, std::min({KVH, kMaxGroup / G, kMaxRow / D}));
+        hp = std::max<int64_t>(1, std::min({KVH, kMaxGroup / G, kMaxRow / D}));
         while (KVH % hp) --hp;
-        const int64_t parts = KVH / hp;
-        auto one = D == 64 ? decode_heads_vec<scalar_t, 64>
-                 : D == 128 ? decode_heads_vec<scalar_t, 128> : decode_heads_vec<scalar_t, 0>;
-        at::parallel_for(0, B * parts, small ? B * parts : 1, [&](int64_t begin, int64_t end) {
-          for (int64_t i = begin; i < end; ++i) {
-            const int64_t b = i / parts, h = (i % parts) * hp, n = lens[b];
-            const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, n - sliding_window) : 0;
-            one(qp + b * query.stride(0) + h * G * D, kp + h * D, vp + h * D, block_size * KVH * D, KVH * D,
-                tables + b * width, block_size, first, n, hp, G, D, scale, op + (b * H + h * G) * D);
-          }
-        });
-        return;
+        one = D == 64 ? decode_heads_vec<scalar_t, 64>
+            : D == 128 ? decode_heads_vec<scalar_t, 128> : decode_heads_vec<scalar_t, 0>;
       }
     }
 #endif
-    at::parallel_for(0, B * KVH, small ? B * KVH : 1, [&](int64_t begin, int64_t end) {
+    const int64_t parts = KVH / hp;
+    at::parallel_for(0, B * parts, small ? B * parts : 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / KVH, h = i % KVH, n = lens[b];
+        const int64_t b = i / parts, h = (i % parts) * hp, n = lens[b];
         const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, n - sliding_window) : 0;
-        auto one = D == 64 ? decode_one<scalar_t, 64> : D == 128 ? decode_one<scalar_t, 128> : decode_one<scalar_t, 0>;
         one(qp + b * query.stride(0) + h * G * D, kp + h * D, vp + h * D, block_size * KVH * D, KVH * D,
-            tables + b * width, block_size, first, n, G, D, scale, op + (b * H + h * G) * D);
+            tables + b * width, block_size, first, n, hp, G, D, scale, op + (b * H + h * G) * D);
       }
     });
   });

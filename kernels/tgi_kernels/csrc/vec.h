@@ -10,7 +10,6 @@
 namespace tgi::vec {
 constexpr int kWidth = 16;
 using R = __m512;
-inline R zero() { return _mm512_setzero_ps(); }
 inline R load(const float* p) { return _mm512_loadu_ps(p); }
 inline void store(float* p, R v) { _mm512_storeu_ps(p, v); }
 inline R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
@@ -24,7 +23,6 @@ inline float sum(R v) { return _mm512_reduce_add_ps(v); }
 namespace tgi::vec {
 constexpr int kWidth = 8;
 using R = __m256;
-inline R zero() { return _mm256_setzero_ps(); }
 inline R load(const float* p) { return _mm256_loadu_ps(p); }
 inline void store(float* p, R v) { _mm256_storeu_ps(p, v); }
 inline R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
