@@ -10,6 +10,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..distributed import TensorParallel
+from ..quant.gguf_linear import GGUFFormat
+from ..quant.grouped_int8 import GEMV_MAX_ROWS, GroupedInt8
 from ..weights.source import TensorSource
 from .linear import Linear
 
@@ -33,16 +35,17 @@ class Embedding(nn.Module):
     parallelism the other ids give zeros here and the ranks' outputs are
     summed."""
 
-    def __init__(self, weight: torch.Tensor, start: int, tp: TensorParallel):
+    def __init__(self, weight: torch.Tensor, start: int, tp: TensorParallel, name: str = ""):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)  # [rows, hidden]
         self.start = start
         self.tp = tp
+        self.name = name  # the checkpoint tensor it came from (a tied head reads its blocks)
 
     @classmethod
     def load(cls, weights: TensorSource, prefix: str, vocab_size: int, tp: TensorParallel) -> "Embedding":
         weight, start = _vocab_rows(weights, f"{prefix}.weight", vocab_size, tp)
-        return cls(weight, start, tp)
+        return cls(weight, start, tp, f"{prefix}.weight")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
@@ -58,11 +61,16 @@ class LMHead(nn.Module):
     complete on every rank.
 
     Only the rows that sample or report logprobs reach it: with SmolLM2 the
-    head is a fifth of all FLOPs, so it never runs on the whole batch."""
+    head is a fifth of all FLOPs, so it never runs on the whole batch.
+    `gemv`: the same rows kept as int8 blocks (a GGUF head stored as Q8_0) for
+    steps of up to GEMV_MAX_ROWS rows, where reading fewer bytes wins (decode
+    at small batches); None elsewhere."""
 
-    def __init__(self, weight: torch.Tensor, vocab_size: int, tp: TensorParallel):
+    def __init__(self, weight: torch.Tensor, vocab_size: int, tp: TensorParallel,
+                 gemv: GroupedInt8 | None = None):
         super().__init__()
         self.proj = Linear(weight, None)  # [rows of this rank, hidden]
+        self.gemv = gemv
         self.vocab_size = vocab_size
         self.tp = tp
 
@@ -70,13 +78,33 @@ class LMHead(nn.Module):
     def load(cls, weights: TensorSource, prefix: str, vocab_size: int, tp: TensorParallel,
              tied_to: Embedding | None) -> "LMHead":
         """tied_to: the embedding whose rows (the same vocabulary block) are the head's."""
-        if tied_to is not None:
-            return cls(tied_to.weight.data, vocab_size, tp)
-        return cls(_vocab_rows(weights, f"{prefix}.weight", vocab_size, tp)[0], vocab_size, tp)
+        name = tied_to.name if tied_to is not None else f"{prefix}.weight"
+        weight = tied_to.weight.data if tied_to is not None else _vocab_rows(weights, name, vocab_size, tp)[0]
+        return cls(weight, vocab_size, tp, _q8_0_head(weights, name, weight.shape[0], vocab_size, tp))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.proj(hidden)  # [S, rows]
+        if self.gemv is not None and hidden.shape[0] <= GEMV_MAX_ROWS:
+            logits = self.gemv(hidden)  # [S, rows]
+        else:
+            logits = self.proj(hidden)  # [S, rows]
         if self.tp.world_size > 1:
             # [S, padded vocab], ranks in order; the padding columns dropped
             logits = self.tp.all_gather(logits, dim=-1)[:, :self.vocab_size]
         return logits.float().contiguous()
+
+
+def _q8_0_head(weights: TensorSource, name: str, rows: int, vocab_size: int,
+               tp: TensorParallel) -> GroupedInt8 | None:
+    """This rank's `rows` vocabulary rows of `name` as int8 blocks (zero past
+    the vocabulary), when the checkpoint is a GGUF file storing it as Q8_0,
+    the device is the CPU and our kernels are loaded; else None."""
+    fmt = weights.linear_format
+    if not isinstance(fmt, GGUFFormat) or weights.device.type != "cpu":
+        return None
+    start = tp.rank * rows
+    blocks = fmt.q8_0_rows(name, start, max(start, min(start + rows, vocab_size)))
+    if blocks is None:
+        return None
+    q, scales = blocks
+    pad = rows - q.shape[0]
+    return GroupedInt8.build(F.pad(q, (0, 0, 0, pad)), F.pad(scales, (0, 0, 0, pad)))

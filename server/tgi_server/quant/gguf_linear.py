@@ -1,11 +1,14 @@
 """GGUF linears served from their quantized blocks: Q4_0 and Q4_1 map
 exactly onto a 4-bit QuantizedMatrix with groups of 32 (and so onto the
 int4 GEMM); other block types (Q8_0, K-quants, floats) have no fast kernel
-here and are dequantized to the serving dtype as before.
+for linears here and are dequantized to the serving dtype as before. A Q8_0
+LM head (or tied embedding) also keeps its int8 blocks for the head's GEMV
+(`q8_0_rows`, quant/grouped_int8.py).
 
 Q4_0 block (18 bytes): d fp16, 16 bytes of nibbles; w = d * (q - 8).
 Q4_1 block (20 bytes): d fp16, m fp16, 16 bytes of nibbles; w = d * q + m.
-Byte j holds element j in its low nibble and element j + 16 in its high one."""
+Byte j holds element j in its low nibble and element j + 16 in its high one.
+Q8_0 block (34 bytes): d fp16, 32 int8 values; w = d * q."""
 
 from dataclasses import dataclass
 
@@ -18,6 +21,7 @@ from .quantized_matrix import QuantizedMatrix
 
 BLOCK = 32
 _BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
+_Q8_0_BYTES = 34
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,19 @@ class GGUFFormat:
         if row_order is not None:
             matrix = matrix.rows(torch.from_numpy(row_order))
         return matrix.rows(slice(start, stop)) if dim == 0 else matrix.columns(start, stop)
+
+    def q8_0_rows(self, name: str, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rows [start, stop) of tensor `name` when it is stored as Q8_0: (q
+        [rows, K] int8, scales [rows, K / 32] float32), w = scales * q per
+        group of 32 columns; None for any other block type."""
+        data, kind, row_order = self.file.blocks(name)
+        if kind != GGMLQuantizationType.Q8_0:
+            return None
+        rows = np.arange(data.shape[0]) if row_order is None else row_order
+        blocks = np.ascontiguousarray(data[rows[start:stop]]).reshape(stop - start, -1, _Q8_0_BYTES)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, K / 32]
+        q = blocks[..., 2:].copy().view(np.int8).reshape(stop - start, -1)       # [rows, K]
+        return torch.from_numpy(q), torch.from_numpy(d)
 
 
 def decode_q4(data: np.ndarray, kind: GGMLQuantizationType) -> QuantizedMatrix:

@@ -1,0 +1,55 @@
+"""`GroupedInt8`: y = x @ w.T for a few rows of x, with w = scale * q held as
+int8 values and one float scale per row and group of columns (GGUF's Q8_0),
+on our C++ GEMV (csrc/int8_gemv.cpp).
+
+It serves the LM head of a GGUF file whose head is Q8_0, as SmolLM2's tied
+token embedding is: at one row it reads 30 MB where the dense bf16 head
+reads 56 MB (0.9 against 2.8 ms, 2 threads, Zen 4). Past GEMV_MAX_ROWS rows
+the dense GEMM wins and the head keeps it for them."""
+
+import torch
+from torch import nn
+
+from tgi_kernels.native import native_ops
+
+LANES = 16  # output rows a block of the kernel's layout holds
+# Rows up to which the GEMV beats oneDNN's prepacked bf16 GEMM at SmolLM2's head
+# [49152, 576] (2 threads, Zen 4 with AVX512-BF16): 0.9 / 1.3 / 2.3 / 4.8 ms at
+# 1 / 4 / 8 / 16 rows against 2.8 / 2.3 / 3.1 / 4.2 ms.
+GEMV_MAX_ROWS = 8
+
+
+def pack_int8_lanes(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] int8, scales [N, G] -> (q [B, K, 16] int8, scales [B, G, 16]
+    float32), B = ceil(N / 16): the layout of csrc/int8_gemv.cpp, byte
+    (b, k, j) = q[16 b + j, k]. Rows past N are zero."""
+    n, k = q.shape
+    blocks = -(-n // LANES)
+    pad = blocks * LANES - n
+    lanes = torch.nn.functional.pad(q, (0, 0, 0, pad)).view(blocks, LANES, k).transpose(1, 2).contiguous()
+    s = torch.nn.functional.pad(scales.float(), (0, 0, 0, pad)).view(blocks, LANES, -1).transpose(1, 2).contiguous()
+    return lanes, s
+
+
+class GroupedInt8(nn.Module):
+    """x [M, K] (float32, bf16 or fp16; M <= GEMV_MAX_ROWS where it is fast)
+    -> [M, N] in x's dtype, accumulated in float32 from the exact int8 values."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor):
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        lanes, s = pack_int8_lanes(q, scales)
+        self.q = nn.Parameter(lanes, requires_grad=False)       # [B, K, 16] int8
+        self.scales = nn.Parameter(s, requires_grad=False)      # [B, G, 16] float32
+        self.ops = native_ops()
+
+    @classmethod
+    def build(cls, q: torch.Tensor, scales: torch.Tensor) -> "GroupedInt8 | None":
+        """None where our C++ kernels are not loaded or the groups are not runs of a multiple of 4 columns."""
+        k, g = q.shape[1], scales.shape[1]
+        if native_ops() is None or k % g or (k // g) % 4:
+            return None
+        return cls(q, scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.int8_gemv(x.contiguous(), self.q, self.scales, self.out_features)
