@@ -66,6 +66,49 @@ def test_dequantized_gemm_equals_the_dequantized_product(n, k, group, dtype, row
     assert y.shape == (rows, n) and y.dtype == dtype and rel_err(y, ref) < TOLERANCE[dtype]
 
 
+needs_int8x = pytest.mark.skipif(ops is None or not ops.int4_int8x_available(), reason="no AVX512-VNNI here")
+# x rounded to int8 per 32 columns moves each product by up to 1/254 of its run's largest |x| times
+# |w|: the error is measured against the size of the terms, sum |x| |w|, as well as the output's
+# rounding; against |y| it can be larger where the terms cancel (a large offset, one group a row).
+INT8X_TOLERANCE = 1e-2
+
+
+def int8x_err(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
+    return float((y.float() - x.float() @ w.T).abs().max() / (x.float().abs() @ w.abs().T).max())
+
+
+@needs_int8x
+@pytest.mark.parametrize("n, k, group", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
+def test_gemv_with_int8_activations_stays_near_the_dequantized_product(n, k, group, dtype, rows):
+    m = matrix(n, k, group)
+    x, packed, so, _ = operands(m, dtype, rows)
+    y = ops.int4_gemv_int8x(x, packed, so, n)
+    w = m.q.float() * m.scales.to(dtype).float()[:, m.group] + m.offsets.to(dtype).float()[:, m.group]
+    assert y.shape == (rows, n) and y.dtype == dtype and int8x_err(y, x, w) < INT8X_TOLERANCE
+
+
+@needs_int8x
+def test_int8_activations_are_exact_where_x_is_a_multiple_of_its_scale():
+    """Each run of 32 columns of x holds integers up to 127 in magnitude, 127 among
+    them: quantizing loses nothing, so only the output's rounding is left."""
+    m = matrix(64, 128, 32)
+    packed, so = pack_int4_lanes(m.q, m.scales, m.offsets, torch.float16)
+    x = torch.randint(-127, 128, (3, 128), generator=torch.Generator().manual_seed(9)).float()
+    x[:, ::32] = 127
+    w = m.q.float() * m.scales.half().float()[:, m.group] + m.offsets.half().float()[:, m.group]
+    y = ops.int4_gemv_int8x(x.half(), packed, so, 64)
+    assert rel_err(y, x @ w.T) < TOLERANCE[torch.float16]
+
+
+@needs_int8x
+def test_quant_linear_takes_int8_activations_for_bf16_only_not_float32():
+    m = matrix(48, 128, 32)
+    assert QuantLinear(m, None, torch.bfloat16, CPU).gemv == ops.int4_gemv_int8x
+    assert QuantLinear(m, None, torch.float32, CPU).gemv == ops.int4_gemv
+
+
 needs_amx = pytest.mark.skipif(ops is None or not ops.int4_amx_available(), reason="no AMX-BF16 here")
 
 
@@ -88,6 +131,9 @@ def test_the_kernels_check_their_operands():
         ops.int4_gemv(x, packed, so, 20)
     with pytest.raises(RuntimeError, match="packed must be"):
         ops.int4_dequant_mm(x[:, :64].contiguous(), packed, so, 48)
+    if ops.int4_int8x_available():
+        with pytest.raises(RuntimeError, match="bf16 or fp16"):
+            ops.int4_gemv_int8x(x, packed, so, 48)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -107,7 +153,11 @@ def test_quant_linear_serves_every_row_count_on_our_kernels(dtype, act_order):
         x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
         with torch.inference_mode():
             y = layer(x)
-        assert y.dtype == dtype and rel_err(y, x.float() @ w.T + 1) < TOLERANCE[dtype]
+        assert y.dtype == dtype
+        if layer.gemv == ops.int4_gemv_int8x and rows <= layer.gemv_max_rows:
+            assert int8x_err(y - 1, x, w) < INT8X_TOLERANCE
+        else:
+            assert rel_err(y, x.float() @ w.T + 1) < TOLERANCE[dtype]
 
 
 def test_quant_linear_keeps_only_our_layout():

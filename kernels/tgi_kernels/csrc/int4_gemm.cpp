@@ -27,6 +27,7 @@
 // - int4_dequant_mm (any other case): the whole weight dequantized into a
 //   per-thread scratch [K, N] in x's dtype, then one at::mm (oneDNN / BLAS).
 #include "common.h"
+#include "int4_vnni.h"
 #include "lanes.h"
 
 #include <type_traits>
@@ -107,24 +108,28 @@ void gemv_block(const uint8_t* q, const T* so, const uint8_t* next_q, const T* n
   for (int m = 0; m < MR; ++m) out[m] = total[m];
 }
 
+// x's sums over each group, in float: the offsets' term.
 template <typename T>
-void gemv(const T* x, const uint8_t* packed, const T* so, const Int4Shape& s, T* y) {
-  // x in float and its sums over each group, once for every block.
-  std::vector<float> xf(s.M * s.K), xsum(s.M * s.G);
+std::vector<float> group_sums(const T* x, const Int4Shape& s) {
+  std::vector<float> xsum(s.M * s.G);
+  const int64_t run = s.K / s.G;
   for (int64_t m = 0; m < s.M; ++m) {
     for (int64_t g = 0; g < s.G; ++g) {
-      const int64_t run = s.K / s.G;
       const T* src = x + m * s.K + g * run;
-      float* dst = xf.data() + m * s.K + g * run;
       float sum = 0;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t k = 0; k < run; ++k) {
-        dst[k] = float(src[k]);
-        sum += dst[k];
-      }
+      for (int64_t k = 0; k < run; ++k) sum += ld(src[k]);
       xsum[m * s.G + g] = sum;
     }
   }
+  return xsum;
+}
+
+// Calls block(mr, q, sob, next_q, next_so, m0, out) for every block of 16
+// output rows and every kMaxRows rows of x (mr: their number, a constant),
+// then stores out into y.
+template <typename T, typename F>
+void over_blocks(const uint8_t* packed, const T* so, const Int4Shape& s, T* y, F&& block) {
   // A block is K * 8 bytes of weights: at least ~64 KiB of them a thread, so
   // that a small matrix stays on the calling thread.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 13) / s.K);
@@ -140,14 +145,38 @@ void gemv(const T* x, const uint8_t* packed, const T* so, const Int4Shape& s, T*
       const T* next_so = sob + next * s.G * 2 * kLanes;
       for (int64_t m0 = 0; m0 < s.M; m0 += kMaxRows) {
         const int rows = int(std::min<int64_t>(kMaxRows, s.M - m0));
-        with_rows<kMaxRows>(rows, [&](auto mr) {
-          gemv_block<T, mr.value>(q, sob, next_q, next_so, xf.data() + m0 * s.K, xsum.data() + m0 * s.G, s, out);
-        });
+        with_rows<kMaxRows>(rows, [&](auto mr) { block(mr, q, sob, next_q, next_so, m0, out); });
         for (int m = 0; m < rows; ++m) store(y + (m0 + m) * s.N + n0, out[m], valid);
       }
     }
   });
 }
+
+template <typename T>
+void gemv(const T* x, const uint8_t* packed, const T* so, const Int4Shape& s, T* y) {
+  std::vector<float> xf(s.M * s.K);  // x in float, once for every block
+  for (int64_t i = 0; i < s.M * s.K; ++i) xf[i] = ld(x[i]);
+  const std::vector<float> xsum = group_sums(x, s);
+  over_blocks(packed, so, s, y, [&](auto mr, auto q, auto sob, auto next_q, auto next_so, int64_t m0, Lanes* out) {
+    gemv_block<T, mr.value>(q, sob, next_q, next_so, xf.data() + m0 * s.K, xsum.data() + m0 * s.G, s, out);
+  });
+}
+
+#ifdef TGI_INT4_VNNI
+// The same product with x quantized to int8 per 32 columns (int4_vnni.h).
+template <typename T>
+void gemv_int8x(const T* x, const uint8_t* packed, const T* so, const Int4Shape& s, T* y) {
+  std::vector<int8_t> xq(s.M * s.K);
+  std::vector<float> dx(s.M * s.K / int4_vnni::kRun);
+  int4_vnni::quantize(x, s.M, s.K, xq.data(), dx.data());
+  const std::vector<float> xsum = group_sums(x, s);
+  const int64_t runs = s.K / int4_vnni::kRun;
+  over_blocks(packed, so, s, y, [&](auto mr, auto q, auto sob, auto next_q, auto next_so, int64_t m0, Lanes* out) {
+    int4_vnni::block<T, mr.value>(q, sob, next_q, next_so, xq.data() + m0 * s.K, dx.data() + m0 * runs,
+                                  xsum.data() + m0 * s.G, s.K, s.G, s.per, out);
+  });
+}
+#endif
 
 // w^T [K, ceil(N / 16) * 16] in T: block b fills columns [16 b, 16 b + 16).
 // Four column pairs (one 64-byte line of each block) at a time across all
@@ -300,6 +329,32 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return y;
 }
 
+// True where int4_gemv_int8x can run: built with AVX512-VNNI and -VBMI.
+bool int4_int8x_available() {
+#ifdef TGI_INT4_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+// bf16 / fp16 x [M, K] -> x @ w.T [M, N] in x's dtype, x quantized to int8 per
+// row and 32 columns on the way (int4_vnni.h): the GEMV for a few rows where
+// activations need not stay exact.
+at::Tensor int4_gemv_int8x(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_offset, int64_t n) {
+  const Int4Shape s = check(x, packed, scale_offset, n);
+  TORCH_CHECK(x.scalar_type() != at::kFloat, "int4_gemv_int8x takes bf16 or fp16 (float32 keeps int4_gemv, exact)");
+  TORCH_CHECK(int4_int8x_available(), "int4_gemv_int8x: no AVX512-VNNI here (see int4_int8x_available)");
+  auto y = at::empty({s.M, s.N}, x.options());
+#ifdef TGI_INT4_VNNI
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "int4_gemv_int8x", [&] {
+    gemv_int8x(x.const_data_ptr<scalar_t>(), packed.const_data_ptr<uint8_t>(), scale_offset.const_data_ptr<scalar_t>(),
+               s, y.mutable_data_ptr<scalar_t>());
+  });
+#endif
+  return y;
+}
+
 // The same product through one dense GEMM: w dequantized into a per-thread
 // scratch [K, N] (one matrix at a time; never kept), then at::mm.
 at::Tensor int4_dequant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_offset, int64_t n) {
@@ -349,4 +404,6 @@ TORCH_LIBRARY_FRAGMENT(tgi, m) {
   m.def("int4_dequant_mm(Tensor x, Tensor packed, Tensor scale_offset, int n) -> Tensor", tgi::int4_dequant_mm);
   m.def("int4_amx_mm(Tensor x, Tensor packed, Tensor scale_offset, int n) -> Tensor", tgi::int4_amx_mm);
   m.def("int4_amx_available() -> bool", tgi::int4_amx_available);
+  m.def("int4_gemv_int8x(Tensor x, Tensor packed, Tensor scale_offset, int n) -> Tensor", tgi::int4_gemv_int8x);
+  m.def("int4_int8x_available() -> bool", tgi::int4_int8x_available);
 }

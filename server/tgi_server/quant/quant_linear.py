@@ -10,6 +10,10 @@ On CPU, chosen once at load:
   AMX, tiles dequantized into AMX's layout; else the weight dequantized into a
   per-thread scratch for one dense GEMM. All accumulate in float and take x in
   its own dtype (a float32 model stays exact; kernel_dtype does not apply).
+  On CPUs with AVX512-VNNI and -VBMI, the GEMV of a bf16 or fp16 model
+  quantizes x to int8 per row and 32 columns on the way, as llama.cpp does
+  (csrc/int4_vnni.h): integer dot products, 2x the float GEMV's speed where it
+  is compute bound (8 rows and more), ~15% at one row, where it reads memory.
   Elsewhere torch's packed int4 GEMM (`_weight_int4pack_mm_for_cpu`, groups
   of 32/64/128/256, N % 16 == 0).
   It computes w = (q - 8) * scale + zero, so zero = offset + 8 * scale.
@@ -162,6 +166,9 @@ class QuantLinear(nn.Module):
             self.packed, self.scale_offset = _frozen(packed), _frozen(scale_offset)
             self.amx = dtype == torch.bfloat16 and self.native.int4_amx_available()
             self.gemv_max_rows = INT4_GEMV_MAX_ROWS["amx" if self.amx else dtype]
+            # float32 stays exact; bf16 / fp16 activations are themselves rounded
+            int8x = dtype != torch.float32 and self.native.int4_int8x_available()
+            self.gemv = self.native.int4_gemv_int8x if int8x else self.native.int4_gemv
             return True
         q = q.to(torch.int32)
         # Groups longer than the kernel's repeat their scale: [N, G] -> [N, K / size].
@@ -180,7 +187,7 @@ class QuantLinear(nn.Module):
         """Our kernels on x [T, K] (columns in kernel order) -> [T, N] in the layer's dtype."""
         x = x.to(self.scale_offset.dtype).contiguous()
         if x.shape[0] <= self.gemv_max_rows:
-            op = self.native.int4_gemv
+            op = self.gemv
         elif self.amx:
             op = self.native.int4_amx_mm
         else:
