@@ -112,14 +112,16 @@ def load_model(config: ModelConfig, weights: TensorSource, tp: TensorParallel) -
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's distinct weights: parameters (a tied weight once;
-    quantized layers hold their packed values as parameters) and the
-    oneDNN-prepacked linear weights, which are not parameters."""
+    quantized layers hold their packed values as parameters) and the dense
+    linears' weights in their GEMM's layout (oneDNN-prepacked, or ours),
+    which are not parameters."""
     seen: dict[int, int] = {}
     for module in model.modules():
         tensors = list(module.parameters(recurse=False))
-        packed = getattr(module, "packed", None)
-        if packed is not None:
-            tensors.append(packed)
+        for layout in ("packed", "lanes"):
+            held = getattr(module, layout, None)
+            if isinstance(held, torch.Tensor):
+                tensors.append(held)
         for t in tensors:
             # A prepacked (opaque) tensor has no data pointer to share: key it by identity.
             key = id(t) if t.is_mkldnn else t.data_ptr()

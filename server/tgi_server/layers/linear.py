@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tgi_kernels.native import native_ops
+
 from ..distributed import TensorParallel
 from ..quant import QuantizedMatrix, QuantLinear, stack_rows
 from ..weights.source import TensorSource
@@ -22,6 +24,25 @@ from ..weights.source import TensorSource
 # packing once at load time made SmolLM2's linears 26% (batch 1) to 40%
 # (batch 64) faster on a 2-core AMX CPU. The hint is the batch it tunes for.
 PACK_BATCH_HINT = 32
+
+
+def pack_bf16_lanes(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bf16 (K even) -> [ceil(N / 16), K / 2, 16, 2]: the layout of
+    csrc/bf16_gemm.cpp, (b, p, j) = weight[16 b + j, 2 p : 2 p + 2]; rows past N are zero."""
+    n, k = weight.shape
+    blocks = -(-n // 16)
+    padded = F.pad(weight, (0, 0, 0, blocks * 16 - n))
+    return padded.view(blocks, 16, k // 2, 2).transpose(1, 2).contiguous()
+
+
+def _bf16_gemm(weight: torch.Tensor):
+    """Our C++ ops where their bf16 GEMM serves this weight: a bf16 weight with
+    an even number of columns on a CPU with AVX512-BF16 but no AMX (where
+    oneDNN's tile kernels win); else None."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
+        return None
+    ops = native_ops()
+    return ops if ops is not None and ops.bf16_mm_available() and not ops.int4_amx_available() else None
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:
@@ -35,8 +56,10 @@ class Linear(nn.Module):
     """y = x @ weight.T + bias; weight [out, in], x [T, in] -> [T, out].
 
     reduce: the group over which y is summed (row-parallel, world size > 1),
-    None otherwise. bf16 weights on CPU are kept only in oneDNN's prepacked
-    layout."""
+    None otherwise. bf16 weights on CPU are kept only in the layout of the
+    GEMM that runs them: ours (csrc/bf16_gemm.cpp, `lanes`) on AVX512-BF16
+    CPUs without AMX, 1.1-2x oneDNN's there at 1 to 512 rows; oneDNN's
+    prepacked layout (`packed`) on the others."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  reduce: TensorParallel | None = None):
@@ -44,11 +67,15 @@ class Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.reduce = reduce
-        if _can_prepack(weight):
+        self.packed = self.lanes = None
+        self.ops = _bf16_gemm(weight)
+        if self.ops is not None:
+            self.lanes = pack_bf16_lanes(weight)  # [ceil(out / 16), in / 2, 16, 2]
+            self.weight = None
+        elif _can_prepack(weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
             self.weight = None
         else:
-            self.packed = None
             self.weight = nn.Parameter(weight, requires_grad=False)
 
     @classmethod
@@ -76,7 +103,9 @@ class Linear(nn.Module):
         return _build(weights, [weights.linear_format.load(weights, prefix, 1, start, stop)], b, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.lanes is not None:
+            y = self.ops.bf16_mm(x.contiguous(), self.lanes, self.out_features, self.bias)
+        elif self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         else:
             y = F.linear(x, self.weight, self.bias)
