@@ -90,21 +90,24 @@ class Attention(nn.Module):
         if fuses_rotary(ctx.backend):
             qkv = qkv.contiguous()  # a no-op after a GEMM; rotated in place
             rotary_store_kv(qkv, cos, sin, heads, k_cache, v_cache, ctx.slot_mapping)
-            q, k = qkv[:, :heads], qkv[:, heads:heads + kv_heads]
+            q = qkv[:, :heads]
+            k = None  # sliced below only where a prefill reads it
         else:
             # q and k rotate together: [T, heads + kv_heads, head_dim]
             qk = apply_rotary(qkv[:, :heads + kv_heads], cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
             store_kv(k, qkv[:, heads + kv_heads:], k_cache, v_cache, ctx.slot_mapping, ctx.backend)
-        v = qkv[:, heads + kv_heads:]
 
         nd = ctx.num_decode_tokens
-        parts = []
-        if ctx.decode is not None:
-            parts.append(paged_decode(q[:nd], k_cache, v_cache, ctx.decode, self.scale,
-                                      self.sliding_window, ctx.backend))
-        if ctx.prefill is not None:
-            parts.append(varlen_prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, ctx.prefill,
-                                        self.scale, self.sliding_window, ctx.backend))
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)  # [T, heads, head_dim]
+        if ctx.prefill is None:  # every token decodes: no slicing (~2.5 us a view, 30 layers a step)
+            out = paged_decode(q, k_cache, v_cache, ctx.decode, self.scale, self.sliding_window, ctx.backend)
+        else:
+            k = qkv[:, heads:heads + kv_heads] if k is None else k
+            v = qkv[:, heads + kv_heads:]
+            out = varlen_prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, ctx.prefill, self.scale,
+                                 self.sliding_window, ctx.backend)
+            if ctx.decode is not None:
+                decoded = paged_decode(q[:nd], k_cache, v_cache, ctx.decode, self.scale, self.sliding_window,
+                                       ctx.backend)
+                out = torch.cat([decoded, out], dim=0)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(tokens, heads * self.head_dim))

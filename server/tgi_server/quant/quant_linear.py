@@ -185,14 +185,16 @@ class QuantLinear(nn.Module):
 
     def _native_int4(self, x: torch.Tensor) -> torch.Tensor:
         """Our kernels on x [T, K] (columns in kernel order) -> [T, N] in the layer's dtype."""
-        x = x.to(self.scale_offset.dtype).contiguous()
+        scale_offset = self.scale_offset
+        if x.dtype != scale_offset.dtype or not x.is_contiguous():
+            x = x.to(scale_offset.dtype).contiguous()
         if x.shape[0] <= self.gemv_max_rows:
             op = self.gemv
         elif self.amx:
             op = self.native.int4_amx_mm
         else:
             op = self.native.int4_dequant_mm
-        return op(x, self.packed, self.scale_offset, self.out_features)
+        return op(x, self.packed, scale_offset, self.out_features)
 
     def _dense_int4(self, dtype: torch.dtype) -> torch.Tensor:
         """The int4 layout's weight [N, K] (columns in kernel order) in `dtype`."""
@@ -242,9 +244,11 @@ class QuantLinear(nn.Module):
         else:
             w = self.q.to(x.dtype) * self.scales[:, self.group] + self.offsets[:, self.group]  # [N, K]
             y = F.linear(x, w)
-        y = y.to(x.dtype)  # a no-op unless kernel_dtype differs
-        if self.bias is not None:
-            y = y + self.bias
+        if y.dtype != x.dtype:  # kernel_dtype differs
+            y = y.to(x.dtype)
+        bias = self.bias
+        if bias is not None:
+            y = y + bias
         return y if self.reduce is None else self.reduce.all_reduce_sum(y)
 
 
