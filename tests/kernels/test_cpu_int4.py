@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tgi_kernels.native import native_ops
+from tgi_server.layers.linear import pack_bf16_lanes
 from tgi_server.quant import QuantLinear, QuantizedMatrix, quantize_rtn
 from tgi_server.quant.quant_linear import INT4_GEMV_MAX_ROWS, pack_int4_lanes
 
@@ -123,6 +124,33 @@ def test_amx_equals_the_dequantized_product(n, k, group, rows):
     assert rel_err(y, ops.int4_dequant_mm(x, packed, so, n).float()) < 1e-2
 
 
+needs_bf16_gemm = pytest.mark.skipif(ops is None or not ops.bf16_mm_available(), reason="no AVX512-BF16 here")
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("n, k, group", SHAPES)
+@pytest.mark.parametrize("rows", [1, 8, 9, 33, 100])
+def test_bf16_tiles_over_dequantized_blocks_equal_the_dequantized_product(n, k, group, rows):
+    x, packed, so, ref = operands(matrix(n, k, group), torch.bfloat16, rows)
+    y = ops.int4_bf16_mm(x, packed, so, n)
+    assert y.shape == (rows, n) and rel_err(y, ref) < TOLERANCE[torch.bfloat16]
+    # The same bf16 weights and float accumulation as the dense GEMM: equal up to the output's rounding.
+    assert rel_err(y, ops.int4_dequant_mm(x, packed, so, n).float()) < 1e-2
+
+
+@needs_bf16_gemm
+def test_the_bf16_tiles_see_the_weights_the_dense_model_holds():
+    """Dequantized and rounded to bf16 once, as the GGUF file dequantized to a bf16
+    checkpoint holds them: against that dense weight on the bf16 GEMM, the same bits."""
+    m = matrix(48, 256, 64)
+    packed, so = pack_int4_lanes(m.q, m.scales, m.offsets, torch.bfloat16)
+    # q * scale + offset rounded once to float32, as the kernel's fused multiply-add does (exact in float64)
+    dense = (m.q.double() * m.scales.bfloat16().double()[:, m.group] + m.offsets.bfloat16().double()[:, m.group]).float()
+    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
+    expected = ops.bf16_mm(x, pack_bf16_lanes(dense.bfloat16()), 48, None)
+    assert torch.equal(ops.int4_bf16_mm(x, packed, so, 48), expected)
+
+
 def test_the_kernels_check_their_operands():
     x, packed, so, _ = operands(matrix(48, 128, 32), torch.float32, 2)
     with pytest.raises(RuntimeError, match="x's dtype"):
@@ -187,4 +215,4 @@ def test_groups_that_are_not_runs_of_32_keep_the_torch_paths():
 
 
 def test_gemv_limits_cover_each_path():
-    assert set(INT4_GEMV_MAX_ROWS) == {"amx", *DTYPES}
+    assert set(INT4_GEMV_MAX_ROWS) == {"amx", "bf16_gemm", *DTYPES}

@@ -16,56 +16,15 @@
 // 337 ms at 1 / 8 / 32 / 64 / 512 rows against 7.4 / 11.1 / 25.8 / 45.3 / 362.
 #include "common.h"
 #include "lanes.h"
-
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#define TGI_BF16_GEMM 1
-#endif
+#include "bf16_tile.h"
 
 namespace tgi {
 namespace {
 
 #ifdef TGI_BF16_GEMM
-constexpr int64_t kLanes = 16, kRows = 8;
-
-// acc += w . (the bf16 pair at x, broadcast), one vdpbf16ps with an embedded
-// broadcast (GCC emits a separate broadcast for _mm512_set1_epi32).
-inline __m512 dp(__m512 acc, __m512i w, const c10::BFloat16* x) {
-  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
-  return acc;
-}
-
-// MR rows of x (row stride K) against NB consecutive blocks from w (each
-// K * 16 elements); y gets the tile's [MR, NB * 16] outputs (valid columns
-// of the last block only), bias added before rounding.
-template <int MR, int NB>
-void tile(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, int64_t K, int64_t N, int64_t n0,
-          c10::BFloat16* y) {
-  __m512 acc[MR][NB];
-  for (int m = 0; m < MR; ++m)
-    for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
-  const int64_t block = K * kLanes;
-  for (int64_t p = 0; p < K / 2; ++p) {
-    __m512i wv[NB];
-    for (int b = 0; b < NB; ++b) {
-      wv[b] = _mm512_loadu_si512(w + b * block + p * 2 * kLanes);
-      __builtin_prefetch(w + b * block + (p + 8) * 2 * kLanes);
-    }
-    for (int m = 0; m < MR; ++m)
-      for (int b = 0; b < NB; ++b) acc[m][b] = dp(acc[m][b], wv[b], x + m * K + 2 * p);
-  }
-  for (int b = 0; b < NB; ++b) {
-    const int64_t col = n0 + b * kLanes, valid = std::min(kLanes, N - col);
-    const __mmask16 mask = __mmask16((1u << valid) - 1);
-    const __m512 add = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) {
-      const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][b], add));
-      _mm256_mask_storeu_epi16(y + m * N + col, mask, (__m256i)v);
-    }
-  }
-}
+using bf16_tile::kLanes;
+using bf16_tile::kRows;
+using bf16_tile::tile;
 
 void gemm(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, int64_t M, int64_t K, int64_t N,
           int64_t blocks, c10::BFloat16* y) {

@@ -26,6 +26,7 @@
 //   once, products accumulated in float.
 // - int4_dequant_mm (any other case): the whole weight dequantized into a
 //   per-thread scratch [K, N] in x's dtype, then one at::mm (oneDNN / BLAS).
+#include "bf16_tile.h"
 #include "common.h"
 #include "int4_vnni.h"
 #include "lanes.h"
@@ -174,6 +175,52 @@ void gemv_int8x(const T* x, const uint8_t* packed, const T* so, const Int4Shape&
   over_blocks(packed, so, s, y, [&](auto mr, auto q, auto sob, auto next_q, auto next_so, int64_t m0, Lanes* out) {
     int4_vnni::block<T, mr.value>(q, sob, next_q, next_so, xq.data() + m0 * s.K, dx.data() + m0 * runs,
                                   xsum.data() + m0 * s.G, s.K, s.G, s.per, out);
+  });
+}
+#endif
+
+#if defined(TGI_BF16_GEMM) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define TGI_INT4_BF16 1
+// One block (16 rows) of the int4 layout dequantized into the bf16 GEMM's
+// layout (bf16_tile.h): w = q * scale + offset in float, rounded to bf16
+// once, each column pair's two values side by side in a row's 32-bit lane.
+void dequantize_lanes(const uint8_t* q, const c10::BFloat16* so, const Int4Shape& s, c10::BFloat16* out) {
+  alignas(64) static const uint16_t pairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i order = _mm512_load_si512(pairs);  // word 2 j <- lo j, word 2 j + 1 <- hi j
+  for (int64_t g = 0; g < s.G; ++g) {
+    const Lanes scale = lanes(so + 2 * g * kLanes), offset = lanes(so + (2 * g + 1) * kLanes);
+    for (int64_t p = g * s.per; p < (g + 1) * s.per; ++p) {
+      Lanes lo, hi;
+      nibbles(q + p * kLanes, lo, hi);
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(fma(hi, scale, offset).v, fma(lo, scale, offset).v);
+      _mm512_storeu_si512(out + p * 2 * kLanes, _mm512_permutexvar_epi16(order, both));
+    }
+  }
+}
+
+// bf16 x [M, K] @ w.T: each pair of blocks dequantized once into a
+// per-thread scratch (2 x K x 16 bf16, in L1/L2), then the bf16 GEMM's tiles
+// run every row of x over it.
+void bf16_mm_dequantized(const c10::BFloat16* x, const uint8_t* packed, const c10::BFloat16* so, const Int4Shape& s,
+                         c10::BFloat16* y) {
+  using bf16_tile::kRows;
+  at::parallel_for(0, (s.blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    std::vector<c10::BFloat16> scratch(2 * s.K * kLanes);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t b = 2 * pair, nb = std::min<int64_t>(2, s.blocks - b);
+      for (int64_t i = 0; i < nb; ++i)
+        dequantize_lanes(packed + (b + i) * (s.K / 2) * kLanes, so + (b + i) * s.G * 2 * kLanes, s,
+                         scratch.data() + i * s.K * kLanes);
+      for (int64_t m0 = 0; m0 < s.M; m0 += kRows) {
+        with_rows<kRows>(int(std::min(kRows, s.M - m0)), [&](auto mr) {
+          if (nb == 2)
+            bf16_tile::tile<mr.value, 2>(x + m0 * s.K, scratch.data(), nullptr, s.K, s.N, b * kLanes, y + m0 * s.N);
+          else
+            bf16_tile::tile<mr.value, 1>(x + m0 * s.K, scratch.data(), nullptr, s.K, s.N, b * kLanes, y + m0 * s.N);
+        });
+      }
+    }
   });
 }
 #endif
@@ -329,6 +376,22 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return y;
 }
 
+// bf16 x [M, K] -> x @ w.T [M, N]: pairs of weight blocks dequantized to
+// bf16 (as the dense model holds them) into the bf16 GEMM's tiles; the
+// kernel for many rows on AVX512-BF16 CPUs (bf16_mm_available).
+at::Tensor int4_bf16_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_offset, int64_t n) {
+  const Int4Shape s = check(x, packed, scale_offset, n);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "int4_bf16_mm takes bf16");
+  auto y = at::empty({s.M, s.N}, x.options());
+#ifdef TGI_INT4_BF16
+  bf16_mm_dequantized(x.const_data_ptr<c10::BFloat16>(), packed.const_data_ptr<uint8_t>(),
+                      scale_offset.const_data_ptr<c10::BFloat16>(), s, y.mutable_data_ptr<c10::BFloat16>());
+#else
+  TORCH_CHECK(false, "int4_bf16_mm: no AVX512-BF16 here (see bf16_mm_available)");
+#endif
+  return y;
+}
+
 // True where int4_gemv_int8x can run: built with AVX512-VNNI and -VBMI.
 bool int4_int8x_available() {
 #ifdef TGI_INT4_VNNI
@@ -406,4 +469,5 @@ TORCH_LIBRARY_FRAGMENT(tgi, m) {
   m.def("int4_amx_available() -> bool", tgi::int4_amx_available);
   m.def("int4_gemv_int8x(Tensor x, Tensor packed, Tensor scale_offset, int n) -> Tensor", tgi::int4_gemv_int8x);
   m.def("int4_int8x_available() -> bool", tgi::int4_int8x_available);
+  m.def("int4_bf16_mm(Tensor x, Tensor packed, Tensor scale_offset, int n) -> Tensor", tgi::int4_bf16_mm);
 }

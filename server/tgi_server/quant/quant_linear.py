@@ -7,8 +7,11 @@ On CPU, chosen once at load:
   (tgi_kernels.native) and the runs are multiples of 32 columns, ours
   (csrc/int4_gemm.cpp) on their own layout (pack_int4_lanes), by rows: up to
   INT4_GEMV_MAX_ROWS a GEMV that dequantizes on the fly; past it, in bf16 with
-  AMX, tiles dequantized into AMX's layout; else the weight dequantized into a
-  per-thread scratch for one dense GEMM. All accumulate in float and take x in
+  AMX, tiles dequantized into AMX's layout; in bf16 with AVX512-BF16 (Zen 4),
+  pairs of 16-row blocks dequantized into the dense bf16 GEMM's layout, whose
+  tiles then take every row of x (csrc/bf16_tile.h; the weights then equal the
+  dense model's); else the weight dequantized into a per-thread scratch for
+  one dense GEMM. All accumulate in float and take x in
   its own dtype (a float32 model stays exact; kernel_dtype does not apply).
   On CPUs with AVX512-VNNI and -VBMI, the GEMV of a bf16 or fp16 model
   quantizes x to int8 per row and 32 columns on the way, as llama.cpp does
@@ -56,7 +59,10 @@ LANES, LANE_GROUP = 16, 32
 # 14.1 / 14.4 / 14.3 at 4 / 6 / 8 rows over its 120 matrices (cold, as in decode); bf16 without
 # AMX (oneDNN's AVX512-BF16 GEMM) 5.4 against 7.0 ms at 64 rows; fp32 and fp16 at 32 rows 2.5 against
 # 2.7-2.8 ms compiled for AVX-512, but for AVX2 (two ymm a vector) fp32 2.2 against 2.0 at 16.
-INT4_GEMV_MAX_ROWS = {"amx": 5, torch.bfloat16: 64, torch.float16: 16, torch.float32: 16}
+# bf16 with AVX512-BF16 ("bf16_gemm": int8-activation GEMV against blocks dequantized into the
+# bf16 GEMM's tiles), 2 threads, Zen 4, the 120 matrices cold: 20.8 / 27.7 / 55.5 ms against
+# 22.1 / 26.5 / 43.4 at 24 / 32 / 64 rows (the tiles' dequantization costs ~11 ms a pass).
+INT4_GEMV_MAX_ROWS = {"amx": 5, "bf16_gemm": 28, torch.bfloat16: 64, torch.float16: 16, torch.float32: 16}
 # Rows up to which the packed int4 kernel beats unpack + dense GEMM, measured at SmolLM2's
 # shapes ([1536, 576] and [576, 1536], 2 threads, AVX-512 and AVX2 dispatch alike): bf16 int4
 # takes 0.66 ms at 128 rows against 0.6 ms to unpack + 0.3 dense; fp32 and fp16 int4 are
@@ -165,7 +171,8 @@ class QuantLinear(nn.Module):
             packed, scale_offset = pack_int4_lanes(q, m.scales, m.offsets, dtype)
             self.packed, self.scale_offset = _frozen(packed), _frozen(scale_offset)
             self.amx = dtype == torch.bfloat16 and self.native.int4_amx_available()
-            self.gemv_max_rows = INT4_GEMV_MAX_ROWS["amx" if self.amx else dtype]
+            self.bf16_gemm = dtype == torch.bfloat16 and not self.amx and self.native.bf16_mm_available()
+            self.gemv_max_rows = INT4_GEMV_MAX_ROWS["amx" if self.amx else "bf16_gemm" if self.bf16_gemm else dtype]
             # float32 stays exact; bf16 / fp16 activations are themselves rounded
             int8x = dtype != torch.float32 and self.native.int4_int8x_available()
             self.gemv = self.native.int4_gemv_int8x if int8x else self.native.int4_gemv
@@ -192,6 +199,8 @@ class QuantLinear(nn.Module):
             op = self.gemv
         elif self.amx:
             op = self.native.int4_amx_mm
+        elif self.bf16_gemm:
+            op = self.native.int4_bf16_mm
         else:
             op = self.native.int4_dequant_mm
         return op(x, self.packed, scale_offset, self.out_features)

@@ -1,0 +1,78 @@
+// The bf16 GEMM's tile (bf16_gemm.cpp), shared with int4_gemm.cpp's
+// int4_bf16_mm, which dequantizes a pair of weight blocks into this layout
+// and runs the same tiles over every row of x.
+//   w  [B, K / 2, 16, 2] bf16: (b, p, j) holds w[16 b + j, 2 p] and w[16 b + j, 2 p + 1].
+#pragma once
+
+#include "common.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define TGI_BF16_GEMM 1
+#endif
+
+namespace tgi::bf16_tile {
+
+#ifdef TGI_BF16_GEMM
+constexpr int64_t kLanes = 16, kRows = 8;  // output rows a block holds; rows of x a tile takes
+
+// acc += w . (the bf16 pair at x, broadcast), one vdpbf16ps with an embedded
+// broadcast (GCC emits a separate broadcast for _mm512_set1_epi32).
+inline __m512 dp(__m512 acc, __m512i w, const c10::BFloat16* x) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
+  return acc;
+}
+
+// MR rows of x (row stride K) against NB consecutive blocks from w (each
+// K * 16 elements) -> sums [MR, NB * 16] in float.
+template <int MR, int NB>
+void tile_sums(const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, float* sums) {
+  // Unrolled in full (GCC unrolls these loops only partly by itself): the
+  // accumulators then live in registers, not on the stack (2.5x slower).
+  __m512 acc[MR][NB];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 2
+    for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
+  const int64_t block = K * kLanes;
+  for (int64_t p = 0; p < K / 2; ++p) {
+    __m512i wv[NB];
+#pragma GCC unroll 2
+    for (int b = 0; b < NB; ++b) {
+      wv[b] = _mm512_loadu_si512(w + b * block + p * 2 * kLanes);
+      __builtin_prefetch(w + b * block + (p + 8) * 2 * kLanes);
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 2
+      for (int b = 0; b < NB; ++b) acc[m][b] = dp(acc[m][b], wv[b], x + m * K + 2 * p);
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 2
+    for (int b = 0; b < NB; ++b) _mm512_store_ps(sums + (m * NB + b) * kLanes, acc[m][b]);
+}
+
+// tile_sums, then y [MR rows of stride N] gets them at columns n0.. (the
+// valid columns of the last block only), bias added before rounding.
+template <int MR, int NB>
+void tile(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, int64_t K, int64_t N, int64_t n0,
+          c10::BFloat16* y) {
+  alignas(64) float sums[MR * NB * kLanes];
+  tile_sums<MR, NB>(x, w, K, sums);
+  for (int b = 0; b < NB; ++b) {
+    const int64_t col = n0 + b * kLanes, valid = std::min(kLanes, N - col);
+    const __mmask16 mask = __mmask16((1u << valid) - 1);
+    const __m512 add = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) {
+      const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums + (m * NB + b) * kLanes), add));
+      _mm256_mask_storeu_epi16(y + m * N + col, mask, (__m256i)v);
+    }
+  }
+}
+
+#endif
+
+}  // namespace tgi::bf16_tile
