@@ -18,8 +18,6 @@
 #include "common.h"
 #include "lanes.h"
 
-#include <cstring>
-
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define TGI_INT4_VNNI 1
 
