@@ -71,7 +71,10 @@ void block(const uint8_t* q, const T* so, const uint8_t* next_q, const T* next_s
       6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
       12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};  // byte 4 j + i <- 16 i + j
   const __m512i idx = _mm512_load_si512(order), nibble = _mm512_set1_epi8(0x0F);
+  // The loops over accumulators are unrolled in full so that they stay in
+  // registers (GCC otherwise kept them on the stack).
   __m512 total[MR];
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) total[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     __builtin_prefetch(next_so + 2 * g * kLanes);
@@ -79,29 +82,37 @@ void block(const uint8_t* q, const T* so, const uint8_t* next_q, const T* next_s
     const __m512 scale = lanes16::lanes(so + 2 * g * kLanes).v, offset = lanes16::lanes(so + (2 * g + 1) * kLanes).v;
     for (int64_t p0 = g * per; p0 < (g + 1) * per; p0 += kRun / 2) {  // 16 pairs: one run of 32 columns
       __m512i acc[A][MR];
+#pragma GCC unroll 4
       for (int a = 0; a < A; ++a)
+#pragma GCC unroll 8
         for (int m = 0; m < MR; ++m) acc[a][m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
       for (int u = 0; u < 4; ++u) {  // 4 lines of 4 pairs
         const int64_t p = p0 + 4 * u;
         __builtin_prefetch(next_q + p * kLanes);
         const __m512i w = _mm512_loadu_si512(q + p * kLanes);
         const __m512i lo = _mm512_permutexvar_epi8(idx, _mm512_and_si512(w, nibble));
         const __m512i hi = _mm512_permutexvar_epi8(idx, _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble));
+#pragma GCC unroll 8
         for (int m = 0; m < MR; ++m) {
           const int8_t* xp = xq + m * K + 2 * p;  // 8 columns in slot order: 4 for lo, 4 for hi
           acc[(2 * u) % A][m] = dpbusd_broadcast(acc[(2 * u) % A][m], lo, xp);
           acc[(2 * u + 1) % A][m] = dpbusd_broadcast(acc[(2 * u + 1) % A][m], hi, xp + 4);
         }
       }
+#pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
         __m512i sum = acc[0][m];
+#pragma GCC unroll 4
         for (int a = 1; a < A; ++a) sum = _mm512_add_epi32(sum, acc[a][m]);
         const __m512 ds = _mm512_mul_ps(scale, _mm512_set1_ps(dx[m * (K / kRun) + 2 * p0 / kRun]));
         total[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), ds, total[m]);
       }
     }
+#pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) total[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * G + g]), offset, total[m]);
   }
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) out[m] = {total[m]};
 }
 

@@ -15,8 +15,8 @@ On CPU, chosen once at load:
   its own dtype (a float32 model stays exact; kernel_dtype does not apply).
   On CPUs with AVX512-VNNI and -VBMI, the GEMV of a bf16 or fp16 model
   quantizes x to int8 per row and 32 columns on the way, as llama.cpp does
-  (csrc/int4_vnni.h): integer dot products, 2x the float GEMV's speed where it
-  is compute bound (8 rows and more), ~15% at one row, where it reads memory.
+  (csrc/int4_vnni.h): integer dot products, ~2x the float GEMV's speed where
+  it is compute bound (8 rows and more), ~15% at one row, where it reads memory.
   Elsewhere torch's packed int4 GEMM (`_weight_int4pack_mm_for_cpu`, groups
   of 32/64/128/256, N % 16 == 0).
   It computes w = (q - 8) * scale + zero, so zero = offset + 8 * scale.
@@ -60,9 +60,9 @@ LANES, LANE_GROUP = 16, 32
 # AMX (oneDNN's AVX512-BF16 GEMM) 5.4 against 7.0 ms at 64 rows; fp32 and fp16 at 32 rows 2.5 against
 # 2.7-2.8 ms compiled for AVX-512, but for AVX2 (two ymm a vector) fp32 2.2 against 2.0 at 16.
 # bf16 with AVX512-BF16 ("bf16_gemm": int8-activation GEMV against blocks dequantized into the
-# bf16 GEMM's tiles), 2 threads, Zen 4, the 120 matrices cold: 20.8 / 27.7 / 55.5 ms against
-# 22.1 / 26.5 / 43.4 at 24 / 32 / 64 rows (the tiles' dequantization costs ~11 ms a pass).
-INT4_GEMV_MAX_ROWS = {"amx": 5, "bf16_gemm": 28, torch.bfloat16: 64, torch.float16: 16, torch.float32: 16}
+# bf16 GEMM's tiles), 2 threads, Zen 4, the 120 matrices cold: 17.8 / 22.3 / 46.3 ms against
+# 22.2 / 27.3 / 42.4 at 24 / 32 / 64 rows (the tiles' dequantization costs ~11 ms a pass).
+INT4_GEMV_MAX_ROWS = {"amx": 5, "bf16_gemm": 48, torch.bfloat16: 64, torch.float16: 16, torch.float32: 16}
 # Rows up to which the packed int4 kernel beats unpack + dense GEMM, measured at SmolLM2's
 # shapes ([1536, 576] and [576, 1536], 2 threads, AVX-512 and AVX2 dispatch alike): bf16 int4
 # takes 0.66 ms at 128 rows against 0.6 ms to unpack + 0.3 dense; fp32 and fp16 int4 are
