@@ -69,7 +69,7 @@ def decode_tok_s(runner: ModelRunner, batch: int) -> float:
     last = {g.id: g.token_id for g in runner.step(pb.StepRequest(step_id=0, new_sequences=new)).generations}
     start = time.perf_counter()
     for step in range(DECODE_STEPS):
-        running = [pb.RunningSequence(id=i, append_token_ids=[t], num_scheduled_tokens=1) for i, t in last.items()]
+        running = [pb.RunningSequence(id=i, num_scheduled_tokens=1) for i in last]
         last = {g.id: g.token_id for g in runner.step(pb.StepRequest(step_id=step + 1, running=running)).generations}
     elapsed = time.perf_counter() - start
     runner.step(pb.StepRequest(step_id=DECODE_STEPS + 1, release_ids=list(last)))

@@ -5,17 +5,26 @@ import asyncio
 import logging
 import random
 import time
+from typing import NamedTuple
 
 from tgi_proto import pb
 
 from .client import ShardClient, ShardError
 from .request_stream import RequestStream, Timings
-from .scheduler import Scheduler
+from .scheduler import ScheduledStep, Scheduler
 from .sequence import FinishReason, Sequence, StoppingCriteria
 from .tokenizer import RouterTokenizer
 from .validation import ValidGenerateRequest
 
 log = logging.getLogger("tgi_router")
+
+
+class _Sent(NamedTuple):
+    """A step sent to the shards whose answer is not applied yet."""
+    step: ScheduledStep
+    request: pb.StepRequest
+    call: asyncio.Future
+    at: float  # perf_counter() when sent
 
 
 class Engine:
@@ -36,6 +45,8 @@ class Engine:
         self._next_id = 0
         self._wakeup = asyncio.Event()
         self._pending: tuple | None = None  # the last step and its response, not yet delivered
+        self._inflight: _Sent | None = None
+        self._answered = 0.0  # when the last answer was applied
 
     # -- requests ------------------------------------------------------------
     def submit(self, request: ValidGenerateRequest, timings: Timings) -> RequestStream:
@@ -64,43 +75,73 @@ class Engine:
         self._wakeup.set()
 
     # -- the loop ------------------------------------------------------------
-    async def step(self) -> list[Sequence]:
-        """One forward on the shards; returns the sequences that finished.
+    @property
+    def idle(self) -> bool:
+        """Nothing to schedule, release, deliver or await."""
+        return (not self.scheduler.has_work() and not self.scheduler.pending_release
+                and self._pending is None and self._inflight is None)
 
-        The previous step's tokens are turned into text and events while
-        this step runs on the shards (router work overlaps the forward). A
-        stop string therefore ends its sequence one step late: the extra
-        token is computed and dropped."""
-        step = self.scheduler.schedule()
-        if not step.seqs:
-            self._deliver_pending()
-            # Work that the scheduler could not place now can never run; decide
-            # before awaiting, while requests arriving meanwhile cannot count.
-            if self.scheduler.has_work():
-                self._fail_unschedulable()
-            release = step.release_ids + self.scheduler.take_releases()
-            if release:
-                await self.client.release(release)
-            if self.metrics is not None:
-                self._observe_state()  # cancelled requests' blocks are free now, whether or not a step follows
-            return []
+    async def step(self) -> list[Sequence]:
+        """Applies one step's answer; returns the sequences that finished.
+
+        Async scheduling: before awaiting a step's answer, the next step is
+        planned and sent (`Scheduler.schedule_ahead`), so the shards start it
+        as soon as they finish this one; the router's own work (applying
+        answers, text, events) runs meanwhile. A step's tokens are turned
+        into text and events while the next step runs on the shards, so a
+        stop string ends its sequence a step late: the extra token is
+        computed and dropped, as for an EOS seen after the next step was sent."""
+        if self._inflight is None:
+            step = self.scheduler.schedule()
+            if not step.seqs:
+                self._deliver_pending()
+                # Work that the scheduler could not place now can never run; decide
+                # before awaiting, while requests arriving meanwhile cannot count.
+                if self.scheduler.has_work():
+                    self._fail_unschedulable()
+                release = step.release_ids + self.scheduler.take_releases()
+                if release:
+                    await self.client.release(release)
+                if self.metrics is not None:
+                    self._observe_state()  # cancelled requests' blocks are free now, whether or not a step follows
+                return []
+            self._inflight = self._send(step)
+        sent, self._inflight = self._inflight, None
+        step = sent.step
+        # Planning ahead pays only while the shards compute: an answer already
+        # back is applied first (no extra tokens, and the next await yields).
+        ahead = None if sent.call.done() else self.scheduler.schedule_ahead(step)
+        if ahead is not None:
+            self._inflight = self._send(ahead, after=sent.request.step_id)
+        try:
+            try:
+                self._deliver_pending()
+            finally:
+                response = await sent.call
+        except BaseException:
+            if self._inflight is not None:  # it cannot run without this step's answer applied
+                self._inflight.call.cancel()
+                self._inflight = None
+            raise
+        finished = self.scheduler.update(step, response)
+        self._pending = (step, response)
+        if self._inflight is not None:
+            self._deliver_pending()  # the next step is running: do the text work now
+        if self.metrics is not None:
+            now = time.perf_counter()
+            self._observe(step, response, now - max(sent.at, self._answered))
+            self._answered = now
+        return finished
+
+    def _send(self, step: ScheduledStep, after: int = 0) -> _Sent:
+        """Sends `step` to the shards, to run after step `after` (0: none)."""
         self.step_id += 1
-        start = time.perf_counter()
-        request = self.scheduler.to_request(step, self.step_id)
+        request = self.scheduler.to_request(step, self.step_id, after)
         if self.metrics is not None and request.new_sequences:
             self.metrics.next_batch(len(request.new_sequences))
             if self.scheduler.join_reason is not None:
                 self.metrics.batch_concat(self.scheduler.join_reason)
-        call = asyncio.ensure_future(self.client.step(request))
-        try:
-            self._deliver_pending()
-        finally:
-            response = await call
-        finished = self.scheduler.update(step, response)
-        self._pending = (step, response)
-        if self.metrics is not None:
-            self._observe(step, response, time.perf_counter() - start)
-        return finished
+        return _Sent(step, request, asyncio.ensure_future(self.client.step(request)), time.perf_counter())
 
     def _deliver_pending(self) -> None:
         if self._pending is None:
@@ -155,7 +196,7 @@ class Engine:
         """Serves until cancelled; a shard failure fails every request in
         flight and marks the engine unhealthy."""
         while True:
-            if not self.scheduler.has_work() and not self.scheduler.pending_release and self._pending is None:
+            if self.idle:
                 self._wakeup.clear()
                 await self._wakeup.wait()
             try:

@@ -11,7 +11,15 @@ token to compute, so the shard samples and never writes a shared block) and
 starts computing after them; every block a step fills is registered for
 later sequences. A waiting sequence whose next block is being filled in this
 very step (best_of copies, a burst sharing a system prompt, a chunked prompt
-it shares) waits one step to hit it instead of computing it twice."""
+it shares) waits one step to hit it instead of computing it twice.
+
+Async scheduling: `schedule_ahead` plans the step after one whose answer
+has not come back, so that the shards never wait for the router. A sequence
+that samples in the step in flight gets one token (the unknown one the shard
+sampled) unless that token is its last by length; a sequence that turns out
+to have ended in that step (EOS, stop string) has the extra token computed
+and dropped. It never preempts: when blocks are short it plans nothing and
+the caller applies the step in flight, then calls `schedule`."""
 
 from collections import deque
 from dataclasses import dataclass, field
@@ -87,7 +95,47 @@ class Scheduler:
                 chosen.append((seq, n))
                 budget -= n
         if self._may_join(len(chosen)):
-            budget = self._admit(chosen, budget)
+            pending = {h for seq, n in chosen for h in self._filled_hashes(seq, seq.num_computed, n)}
+            self._admit(chosen, budget, pending)
+        self._steps_since_join += 1
+        return ScheduledStep(chosen, self.take_releases())
+
+    def schedule_ahead(self, inflight: ScheduledStep) -> ScheduledStep | None:
+        """The step after `inflight`, sent before `update(inflight)`: running
+        sequences as they will be once it has run, then newcomers; None when
+        nothing can run or a running sequence lacks blocks (no preemption
+        here: apply `inflight` first, then `schedule()`)."""
+        ahead = {seq.id: n for seq, n in inflight.seqs}
+        budget = self.max_batch_tokens
+        plan: list[tuple[Sequence, int, int]] = []  # (sequence, tokens to compute, computed before them)
+        for seq in self.running:
+            if budget == 0 or len(plan) >= self.max_batch_size:
+                break
+            computed = seq.num_computed + ahead.get(seq.id, 0)
+            remaining = len(seq.token_ids) - computed
+            if remaining == 0:  # it samples in the step in flight
+                if seq.num_generated + 1 >= seq.stopping.max_new_tokens:
+                    continue  # that token is its last
+                remaining = 1
+            n = min(remaining, budget)
+            plan.append((seq, n, computed))
+            budget -= n
+        missing = [self.blocks.blocks_for(c + n) - len(seq.block_table) for seq, n, c in plan]
+        if sum(m for m in missing if m > 0) > self.blocks.num_available:
+            return None
+        for (seq, _, _), m in zip(plan, missing):
+            if m > 0:
+                seq.block_table.extend(self.blocks.allocate(m))
+        chosen = [(seq, n) for seq, n, _ in plan]
+        if self._may_join(len(chosen)):
+            # Blocks the step in flight fills are not registered yet: a
+            # newcomer that could hit them waits, as for this step's own.
+            pending = {h for seq, n in inflight.seqs if seq.status is Status.RUNNING
+                       for h in self._filled_hashes(seq, seq.num_computed, n)}
+            pending.update(h for seq, n, c in plan for h in self._filled_hashes(seq, c, n))
+            self._admit(chosen, budget, pending)
+        if not chosen:
+            return None
         self._steps_since_join += 1
         return ScheduledStep(chosen, self.take_releases())
 
@@ -111,9 +159,11 @@ class Scheduler:
         self.join_reason = "backpressure"
         return len(self.waiting) >= int(running * self.waiting_served_ratio)
 
-    def _admit(self, chosen: list[tuple[Sequence, int]], budget: int) -> int:
+    def _admit(self, chosen: list[tuple[Sequence, int]], budget: int, pending: set[int]) -> None:
+        """Admits waiting sequences into `chosen` while `budget` tokens and
+        blocks last; `pending`: prefix hashes of blocks being filled (by
+        `chosen` or a step in flight), extended with the newcomers'."""
         caching = self.blocks.prefix_caching
-        pending = {h for seq, n in chosen for h in self._filled_hashes(seq, n)} if caching else set()
         joined = False
         for seq in list(self.waiting):
             if budget == 0 or len(chosen) >= self.max_batch_size:
@@ -132,10 +182,9 @@ class Scheduler:
             joined = True
             self._prefilling[seq.id] = 0
             if caching:
-                pending.update(self._filled_hashes(seq, n))
+                pending.update(self._filled_hashes(seq, seq.num_computed, n))
         if joined:
             self._steps_since_join = 0
-        return budget
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks of seq's longest cached prefix, stopping before the
@@ -173,10 +222,14 @@ class Scheduler:
             self._stats.hit_tokens += seq.num_computed
         return n
 
-    def _filled_hashes(self, seq: Sequence, n: int) -> list[int]:
-        """Prefix hashes of the blocks that computing n more tokens of seq fills."""
+    def _filled_hashes(self, seq: Sequence, start: int, n: int) -> list[int]:
+        """Prefix hashes of the blocks that computing tokens start..start+n-1
+        of seq fills, as far as its tokens are known (a token sampled in a
+        step in flight is not)."""
+        if not self.blocks.prefix_caching:
+            return []
         bs = self.blocks.block_size
-        first, full = seq.num_computed // bs, (seq.num_computed + n) // bs
+        first, full = start // bs, min(start + n, len(seq.token_ids)) // bs
         chain_hashes(seq.token_ids, bs, seq.block_hashes, full)
         return seq.block_hashes[first:full]
 
@@ -186,11 +239,11 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
         self._prefilling.pop(seq.id, None)
-        if seq.shard_tokens:
+        if seq.on_shard:
             self._to_release.append(seq.id)
         seq.block_table = []
         seq.num_computed = 0
-        seq.shard_tokens = seq.shard_blocks = 0
+        seq.on_shard, seq.shard_blocks = False, 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -206,21 +259,21 @@ class Scheduler:
         seq.block_table.extend(new)
         return True
 
-    def to_request(self, step: ScheduledStep, step_id: int) -> pb.StepRequest:
+    def to_request(self, step: ScheduledStep, step_id: int, after_step_id: int = 0) -> pb.StepRequest:
         """The step as the shards see it: new sequences in full, running ones
-        as the tokens and blocks appended since they last heard of them."""
-        request = pb.StepRequest(step_id=step_id, release_ids=step.release_ids)
+        as the blocks appended since they last heard of them (the shards
+        append the tokens they sampled themselves)."""
+        request = pb.StepRequest(step_id=step_id, release_ids=step.release_ids, after_step_id=after_step_id)
         for seq, n in step.seqs:
-            if seq.shard_tokens == 0:
+            if not seq.on_shard:
                 request.new_sequences.append(pb.NewSequence(
                     id=seq.id, token_ids=seq.token_ids, prompt_length=seq.prompt_length,
                     num_computed_tokens=seq.num_computed, num_scheduled_tokens=n,
                     block_table=seq.block_table, parameters=seq.params))
             else:
                 request.running.append(pb.RunningSequence(
-                    id=seq.id, append_token_ids=seq.token_ids[seq.shard_tokens:],
-                    new_block_ids=seq.block_table[seq.shard_blocks:], num_scheduled_tokens=n))
-            seq.shard_tokens, seq.shard_blocks = len(seq.token_ids), len(seq.block_table)
+                    id=seq.id, new_block_ids=seq.block_table[seq.shard_blocks:], num_scheduled_tokens=n))
+            seq.on_shard, seq.shard_blocks = True, len(seq.block_table)
         return request
 
     def update(self, step: ScheduledStep, response: pb.StepResponse) -> list[Sequence]:
@@ -234,7 +287,7 @@ class Scheduler:
                 continue
             if self.blocks.prefix_caching:
                 first = seq.num_computed // self.blocks.block_size
-                for block, h in zip(seq.block_table[first:], self._filled_hashes(seq, n)):
+                for block, h in zip(seq.block_table[first:], self._filled_hashes(seq, seq.num_computed, n)):
                     self.blocks.register(block, h)
             seq.num_computed += n
             gen = by_id[seq.id]
@@ -269,7 +322,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
-        if seq.shard_tokens:
+        if seq.on_shard:
             self._to_release.append(seq.id)
         self.blocks.free(seq.block_table)
         self._prefilling.pop(seq.id, None)

@@ -38,8 +38,10 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
-    # What the shards already know, so a step sends only the difference.
-    shard_tokens: int = 0
+    # What the shards already know, so a step sends only the difference: whether
+    # they hold the sequence (they append the tokens they sample themselves),
+    # and how many of its blocks.
+    on_shard: bool = False
     shard_blocks: int = 0
     # Prefix hashes of the first full blocks of token_ids (filled lazily by
     # the scheduler); they depend on the tokens only, so they outlive preemption.

@@ -89,6 +89,14 @@ class TensorParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._host_group)
         return int(t.item())
 
+    def broadcast_from_first(self, values: list[int]) -> list[int]:
+        """Rank 0's `values` on every rank (each rank passes as many)."""
+        if self.world_size == 1 or not values:
+            return values
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.broadcast(t, src=0, group=self._host_group)
+        return t.tolist()
+
     def all_true(self, ok: bool) -> bool:
         """Whether `ok` holds on every rank."""
         return self.min_over_ranks(int(ok)) == 1

@@ -144,7 +144,7 @@ class ModelRunner:
     # -- steps -------------------------------------------------------------
     def step(self, request: pb.StepRequest) -> pb.StepResponse:
         t0 = time.perf_counter_ns()
-        seqs = self.table.apply(request, self.tp.all_true)
+        seqs = self.table.apply(request, self.tp.all_true, self.tp.broadcast_from_first)
         if not seqs:
             return pb.StepResponse(step_id=request.step_id, timings=pb.Timings(total_ns=time.perf_counter_ns() - t0))
         try:
@@ -210,6 +210,7 @@ class ModelRunner:
                 gen.logprob = result.logprobs[i]
                 gen.top_tokens.extend(pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in result.top_tokens[i])
                 gen.grammar_complete = seq.grammar is not None and seq.grammar.complete
+                seq.sampled = gen.token_id  # joins token_ids at the sequence's next step
         for seq, first, count in batch.prompt_rows:
             out[seq.id].prefill_tokens.extend(self._prompt_tokens(seq, logits[first:first + count]))
         return out

@@ -28,6 +28,9 @@ class ShardSequence:
     # Constrained decoding: the grammar's state after this sequence's generated
     # tokens (it consumes each sampled token); None: unconstrained.
     grammar: SequenceGrammar | None = None
+    # Rank 0: the token sampled by the last step that computed this sequence,
+    # appended to token_ids when the sequence is next scheduled; None: none.
+    sampled: int | None = None
 
     @property
     def samples(self) -> bool:
@@ -46,6 +49,10 @@ def params_from_proto(p: pb.SamplingParameters) -> SamplingParams:
 
 def _alone(ok: bool) -> bool:
     return ok
+
+
+def _own(tokens: list[int]) -> list[int]:
+    return tokens
 
 
 class SequenceTable:
@@ -73,16 +80,22 @@ class SequenceTable:
     def clear(self) -> None:
         self._seqs.clear()
 
-    def apply(self, request: pb.StepRequest, agree: Callable[[bool], bool] = _alone) -> list[ShardSequence]:
-        """Applies releases, new sequences and deltas; returns the scheduled
+    def apply(self, request: pb.StepRequest, agree: Callable[[bool], bool] = _alone,
+              share: Callable[[list[int]], list[int]] = _own) -> list[ShardSequence]:
+        """Applies releases, new sequences and deltas (each running sequence
+        first takes the token it sampled last, if any); returns the scheduled
         sequences (running, then new, in request order) with `scheduled` set.
 
-        Validates everything before changing anything but the releases, then
-        calls `agree(valid)` exactly once: it answers whether every rank of a
-        tensor-parallel group found the step valid (rank 0 alone checks
-        grammars), so that all ranks run the step or none does."""
+        First calls `share(tokens)` exactly once with this rank's sampled
+        token (-1: none) per running sequence: it returns rank 0's, so that
+        every rank of a tensor-parallel group appends the tokens rank 0
+        sampled. Then validates everything before changing anything but the
+        releases, and calls `agree(valid)` exactly once: it answers whether
+        every rank found the step valid (rank 0 alone checks grammars), so
+        that all ranks run the step or none does."""
+        sampled = share([self._sampled(r.id) for r in request.running])
         try:
-            staged = self._stage(request)
+            staged = self._stage(request, sampled)
         except Exception:
             agree(False)
             raise
@@ -90,6 +103,7 @@ class SequenceTable:
             raise StepError("another shard rejected the step")
         scheduled_seqs = []
         for seq, tokens, blocks, scheduled in staged:
+            seq.sampled = None
             seq.token_ids.extend(tokens)
             seq.block_table.extend(blocks)
             seq.scheduled = scheduled
@@ -97,7 +111,12 @@ class SequenceTable:
             scheduled_seqs.append(seq)
         return scheduled_seqs
 
-    def _stage(self, request: pb.StepRequest) -> list[tuple[ShardSequence, list[int], list[int], int]]:
+    def _sampled(self, seq_id: int) -> int:
+        seq = self._seqs.get(seq_id)
+        return -1 if seq is None or seq.sampled is None else seq.sampled
+
+    def _stage(self, request: pb.StepRequest,
+               sampled: list[int]) -> list[tuple[ShardSequence, list[int], list[int], int]]:
         """Validates the request and applies its releases; returns per scheduled
         sequence (seq, tokens to append, blocks to append, tokens scheduled)."""
         seen: set[int] = set()
@@ -110,7 +129,8 @@ class SequenceTable:
                 raise StepError(f"sequence {n.id} is already live")
             seen.add(n.id)
         self.release(request.release_ids)
-        staged = [self._delta(r) for r in request.running] + [self._new(n) for n in request.new_sequences]
+        staged = ([self._delta(r, t) for r, t in zip(request.running, sampled)]
+                  + [self._new(n) for n in request.new_sequences])
         for seq, tokens, blocks, scheduled in staged:
             self._check(seq.id, seq.num_computed, len(seq.token_ids) + len(tokens),
                         len(seq.block_table) + len(blocks), scheduled, blocks)
@@ -123,8 +143,8 @@ class SequenceTable:
                 seq.grammar = self._grammar(seq.id, n.parameters, tokens[seq.prompt_length:])
         return staged
 
-    def _delta(self, r: pb.RunningSequence):
-        return self._seqs[r.id], list(r.append_token_ids), list(r.new_block_ids), r.num_scheduled_tokens
+    def _delta(self, r: pb.RunningSequence, sampled: int):
+        return self._seqs[r.id], [sampled] if sampled >= 0 else [], list(r.new_block_ids), r.num_scheduled_tokens
 
     def _new(self, n: pb.NewSequence):
         seq = ShardSequence(

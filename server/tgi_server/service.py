@@ -3,7 +3,9 @@
 Model calls run on the event loop's own thread, one at a time, as TGI's
 shards do: handing them to a worker thread measured ~15% slower per decode
 step on 2 cores (the two threads contend for the GIL between torch ops).
-A call that arrives during a step waits for it."""
+A call that arrives during a step waits for it. A Step sent before the
+previous one's answer (async scheduling) names that step in after_step_id
+and runs only once it has finished, whatever order the calls arrive in."""
 
 import asyncio
 import logging
@@ -23,6 +25,8 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
     def __init__(self, runner: ModelRunner, info: pb.InfoResponse):
         self.runner = runner
         self.info = info
+        self._last_step_id = 0  # the step that finished last, failed or not
+        self._step_done = asyncio.Condition()
 
     async def _run(self, context: grpc.aio.ServicerContext, fn, *args):
         """fn(*args), with failures mapped to gRPC statuses carrying a
@@ -58,7 +62,15 @@ class TextGenerationService(pb_grpc.TextGenerationServiceServicer):
     async def Step(self, request, context):
         if not self.runner.warmed_up:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "Warmup has not run")
-        return await self._run(context, self.runner.step, request)
+        if request.after_step_id and self._last_step_id != request.after_step_id:
+            async with self._step_done:
+                await self._step_done.wait_for(lambda: self._last_step_id == request.after_step_id)
+        try:
+            return await self._run(context, self.runner.step, request)
+        finally:
+            async with self._step_done:
+                self._last_step_id = request.step_id
+                self._step_done.notify_all()
 
     async def Release(self, request, context):
         released = await self._run(context, self.runner.table.release, list(request.ids))

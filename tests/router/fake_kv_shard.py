@@ -22,6 +22,7 @@ class _Seq:
     tokens: list[int]
     table: list[int]
     computed: int
+    sampled: int | None = None  # appended when the sequence is next scheduled, as a shard does
 
 
 class FakeKVShard:
@@ -37,7 +38,9 @@ class FakeKVShard:
         scheduled = []
         for r in request.running:
             seq = self.seqs[r.id]
-            seq.tokens.extend(r.append_token_ids)
+            if seq.sampled is not None:
+                seq.tokens.append(seq.sampled)
+                seq.sampled = None
             seq.table.extend(r.new_block_ids)
             scheduled.append((r.id, seq, r.num_scheduled_tokens))
         for n in request.new_sequences:
@@ -65,4 +68,5 @@ class FakeKVShard:
         gen = pb.Generation(id=seq_id, num_computed_tokens=seq.computed)
         if seq.computed == len(seq.tokens):
             gen.sampled, gen.token_id = True, next_token(seq.tokens)
+            seq.sampled = gen.token_id
         return gen

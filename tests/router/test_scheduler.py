@@ -45,7 +45,7 @@ def test_running_first_then_waiting_under_budget():
     assert len(a.block_table) == 2 and len(b.block_table) == 2
 
 
-def test_deltas_carry_only_new_tokens_and_blocks():
+def test_deltas_carry_only_new_blocks_the_shard_keeps_its_sampled_tokens():
     s = Scheduler(BlockManager(64, 4), max_batch_tokens=64)
     a = seq(1, 4)
     s.add(a)
@@ -57,7 +57,8 @@ def test_deltas_carry_only_new_tokens_and_blocks():
     second = s.to_request(step, 2)
     assert not second.new_sequences
     (r,) = second.running
-    assert list(r.append_token_ids) == [99] and list(r.new_block_ids) == [1] and r.num_scheduled_tokens == 1
+    assert list(r.new_block_ids) == [1] and r.num_scheduled_tokens == 1 and second.after_step_id == 0
+    assert a.token_ids[-1] == 99  # the router keeps it for text and stopping, never sends it back
 
 
 def test_finish_frees_blocks_and_releases_on_next_step():

@@ -97,7 +97,7 @@ def step_alone(runner, seq_id: int, prompt: list[int], params: pb.SamplingParame
         gen = runner.step(step).generations[0]
         out.append(gen.token_id)
         step = pb.StepRequest(running=[pb.RunningSequence(
-            id=seq_id, append_token_ids=[gen.token_id], num_scheduled_tokens=1)])
+            id=seq_id, num_scheduled_tokens=1)])
     runner.table.release([seq_id])
     return out
 

@@ -83,6 +83,26 @@ def test_chunked_prefill_returns_no_token_until_the_last_chunk(shard):
     call(shard.socket, lambda c: c.clear_cache())
 
 
+def test_a_step_sent_ahead_waits_for_the_step_it_follows(shard):
+    """Async scheduling: step 11 reaches the shard before step 10, whose
+    token it computes; it runs after step 10 and matches the steps sent in order."""
+    call(shard.socket, lambda c: c.warmup(128, 8))
+    first = pb.StepRequest(step_id=10, new_sequences=[new_seq(3, [1, 5, 9, 13], [0, 1])])
+    second = pb.StepRequest(step_id=11, after_step_id=10, running=[pb.RunningSequence(id=3, num_scheduled_tokens=1)])
+    in_order = [call(shard.socket, lambda c: c.step(r)) for r in (first, second)]
+    call(shard.socket, lambda c: c.release([3]))
+
+    async def reversed_(client):
+        late = asyncio.ensure_future(client.step(second))
+        await asyncio.sleep(0.2)  # it waits on the shard meanwhile
+        assert not late.done()
+        return [await client.step(first), await late]
+    out_of_order = call(shard.socket, reversed_)
+    call(shard.socket, lambda c: c.release([3]))
+    assert [r.generations[0].token_id for r in out_of_order] == [r.generations[0].token_id for r in in_order]
+    assert out_of_order[1].generations[0].num_computed_tokens == 5  # the shard appended its own token
+
+
 @pytest.mark.parametrize("request_, message", [
     (pb.StepRequest(running=[pb.RunningSequence(id=99, num_scheduled_tokens=1)]), "unknown"),
     (pb.StepRequest(new_sequences=[new_seq(1, [1, 2, 3], [], 3)]), "blocks cannot hold"),
