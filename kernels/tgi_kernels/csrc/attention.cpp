@@ -178,6 +178,22 @@ void decode_heads_vec(const T* q, const T* k_cache, const T* v_cache, int64_t bl
     for (int64_t h = 0; h < QH; ++h) {
       const int64_t kv = (h / G) * D;  // this query head's kv head, within a row
       const float* qh = qf + h * D;
+#if defined(__AVX512F__)
+      if (kD != 0 && n == kChunk) {
+        // A whole chunk: 16 dot products as 16 vectors of partial sums, then
+        // one transpose-reduce (sum16) gives the 16 scores.
+        R a[kChunk];
+#pragma GCC unroll 16
+        for (int64_t t = 0; t < kChunk; ++t) {
+          const float* kr = krow[t] + kv;
+          R x = mul(load(qh), load(kr));
+#pragma GCC unroll 8
+          for (int64_t j = 1; j < nj; ++j) x = fma(load(qh + j * kWidth), load(kr + j * kWidth), x);
+          a[t] = x;
+        }
+        store(s, sum16(a));
+      } else
+#endif
       for (int64_t t = 0; t < n; ++t) {
         const float* kr = krow[t] + kv;
         R a = mul(load(qh), load(kr));
