@@ -68,7 +68,7 @@ def test_a_bf16_linear_keeps_only_our_layout_and_equals_f_linear():
     w, x, bias = operands(40, 64, 5)
     layer = Linear(w, bias)
     assert layer.lanes is not None and layer.packed is None and layer.weight is None
-    assert weight_bytes(layer) == 48 * 64 * 2 + 40 * 2  # three blocks of 16 rows, and the bias
+    assert weight_bytes(layer) == 48 * 64 * 2 + 40 * 4  # three blocks of 16 rows, and the bias in float32
     with torch.inference_mode():
         assert rel_err(layer(x), F.linear(x.float(), w.float(), bias.float())) < 1e-2
     assert Linear(w.float(), None).lanes is None  # float32 keeps F.linear

@@ -72,6 +72,8 @@ class Linear(nn.Module):
         if self.ops is not None:
             self.lanes = pack_bf16_lanes(weight)  # [ceil(out / 16), in / 2, 16, 2]
             self.weight = None
+            if bias is not None:  # the GEMM adds it in float32: widened once here, not every call
+                self.bias = nn.Parameter(bias.float(), requires_grad=False)
         elif _can_prepack(weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
             self.weight = None
