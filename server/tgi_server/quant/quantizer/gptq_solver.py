@@ -62,11 +62,12 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
                 grid = affine_grid(pending, bits, symmetric, 1, search=True, hessian=blocks[col // size, None])
                 scales[:, col // size], zeros[:, col // size] = grid[0][:, 0], grid[1][:, 0]
             scale, zero = scales[:, group[col]], zeros[:, group[col]]
-            values = torch.clamp(torch.round(block[:, i] / scale) + zero, 0, top)
-            q[:, col] = values.to(torch.uint8)
-            err = (block[:, i] - (values - zero) * scale) / hinv[col, col]
-            block[:, i:] -= err[:, None] * hinv[col, start + i:stop][None, :]
-            errors[:, i] = err
+            values = block[:, i].div(scale).round_().add_(zero).clamp_(0, top)
+            q[:, col] = values
+            err = errors[:, i]
+            torch.sub(values, zero, out=err).mul_(scale).sub_(block[:, i]).div_(-hinv[col, col])
+            # In place, no [N, B] temporary: the rank-1 update of the block's columns left.
+            block[:, i:].addr_(err, hinv[col, start + i:stop], alpha=-1)
         w[:, stop:] -= errors @ hinv[start:stop, stop:]
 
     inverse = torch.argsort(perm)
