@@ -96,7 +96,7 @@ async def run_batch(client: ShardClient, warm: pb.WarmupResponse, prompts: list[
     first: dict[int, float] = {}
     decode_time, decode_tokens = 0.0, 0
     start = time.perf_counter()
-    while scheduler.has_work():
+    while not engine.idle:
         prefilling = bool(scheduler.waiting) or any(s.num_computed < s.prompt_length for s in scheduler.running)
         batch = len(scheduler.running)
         t = time.perf_counter()

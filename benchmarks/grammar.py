@@ -71,7 +71,7 @@ async def batch8_tokens_per_s(client: ShardClient, warm: pb.WarmupResponse, prom
         scheduler.add(Sequence(id=i + 1, token_ids=list(p), params=params,
                                stopping=StoppingCriteria(NEW_TOKENS, eos, ignore_eos=True)))
     tokens, seconds, steps = 0, 0.0, 0
-    while scheduler.has_work():
+    while not engine.idle:
         full = (not scheduler.waiting and len(scheduler.running) == BATCH
                 and all(s.num_computed >= s.prompt_length for s in scheduler.running))
         t = time.perf_counter()

@@ -71,7 +71,7 @@ async def ttfts(client: ShardClient, warm: pb.WarmupResponse, prompts: list[list
         while seq.num_generated == 0:
             await engine.step()
         out.append(time.perf_counter() - start)
-        while scheduler.has_work():
+        while not engine.idle:
             await engine.step()
     await client.clear_cache()
     return out
@@ -92,7 +92,7 @@ async def stream_gaps(client: ShardClient, warm: pb.WarmupResponse, streams: lis
                     stopping=StoppingCriteria(TTFT_NEW_TOKENS))
     times: dict[int, list[float]] = {s.id: [] for s in seqs}
     arrived = long_ttft = 0.0
-    while scheduler.has_work():
+    while not engine.idle:
         await engine.step()
         now = time.perf_counter()
         for seq in seqs:

@@ -190,7 +190,7 @@ async def run_prompts(socket: str | list[str], prompts: list[list[int]], max_new
                 for i, p in enumerate(prompts)]
         pending = sorted(zip(arrivals or [0] * len(seqs), range(len(seqs))))
         step = 0
-        while pending or scheduler.has_work():
+        while pending or not engine.idle:
             while pending and pending[0][0] <= step:
                 scheduler.add(seqs[pending.pop(0)[1]])
             await engine.step()

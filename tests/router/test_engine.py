@@ -72,10 +72,10 @@ def test_engine_reports_prefix_cache_blocks_and_chunks():
         metrics = Metrics(100, 200)
         engine = Engine(KVClient(FakeKVShard(bm)), scheduler, metrics=metrics)
         scheduler.add(seq(1, n=10))  # 3 chunks of at most 4 tokens
-        while scheduler.has_work():
+        while not engine.idle:
             await engine.step()
         scheduler.add(seq(2, n=10))  # the same prompt: 8 tokens hit
-        while scheduler.has_work():
+        while not engine.idle:
             await engine.step()
         text = metrics.render().decode()
         return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
