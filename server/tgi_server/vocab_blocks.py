@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tgi_kernels.native import native_ops
+
 BLOCK = 64
 NEG_INF = float("-inf")
 CPU_CHUNK_ROWS = 4  # rows per exp pass on CPU, so that temporaries stay in cache
@@ -97,7 +99,13 @@ class BlockedRows:
         return self._scale(self.x[rows.unsqueeze(1), ids], rows)
 
     def exp_block_sums(self, rows: torch.Tensor | None) -> torch.Tensor:
-        """sum(exp(logit - row max)) of every block of rows [R] (None: all): [R, NB] float32."""
+        """sum(exp(logit - row max)) of every block of rows [R] (None: all): [R, NB] float32.
+        On CPU our kernel does it in one pass (csrc/vocab.cpp), with its own
+        exp: sums differ from torch's in the last bits, the same whatever the batch."""
+        ops = native_ops() if self.x.device.type == "cpu" else None
+        if ops is not None and hasattr(ops, "exp_block_sums"):
+            t = None if self.temperature is None else self.temperature.reshape(-1).contiguous()
+            return ops.exp_block_sums(self.x, self.top.contiguous(), t, rows, BLOCK)
         n, width = (self.x.shape[0] if rows is None else len(rows)), self.x.shape[1]
         out = torch.empty(n, self.num_blocks, dtype=self.x.dtype, device=self.x.device)
         on_cpu = self.x.device.type == "cpu"
