@@ -47,6 +47,12 @@ class Engine:
         self._pending: tuple | None = None  # the last step and its response, not yet delivered
         self._inflight: _Sent | None = None
         self._answered = 0.0  # when the last answer was applied
+        # Whether the shards set the pace (their step took at least half the
+        # time between two answers): only then does planning ahead pay. When
+        # the router is the slower side (a tiny model, many streams) the shard
+        # idles either way, and steps sent ahead would only take the event
+        # loop from the routes (writes, noticing clients that hung up).
+        self._shard_bound = True
 
     # -- requests ------------------------------------------------------------
     def submit(self, request: ValidGenerateRequest, timings: Timings) -> RequestStream:
@@ -110,7 +116,7 @@ class Engine:
         step = sent.step
         # Planning ahead pays only while the shards compute: an answer already
         # back is applied first (no extra tokens, and the next await yields).
-        ahead = None if sent.call.done() else self.scheduler.schedule_ahead(step)
+        ahead = None if sent.call.done() or not self._shard_bound else self.scheduler.schedule_ahead(step)
         if ahead is not None:
             self._inflight = self._send(ahead, after=sent.request.step_id)
         try:
@@ -127,10 +133,11 @@ class Engine:
         self._pending = (step, response)
         if self._inflight is not None:
             self._deliver_pending()  # the next step is running: do the text work now
+        now = time.perf_counter()
         if self.metrics is not None:
-            now = time.perf_counter()
             self._observe(step, response, now - max(sent.at, self._answered))
-            self._answered = now
+        self._shard_bound = response.timings.total_ns / 1e9 >= 0.5 * (now - self._answered)
+        self._answered = now
         return finished
 
     def _send(self, step: ScheduledStep, after: int = 0) -> _Sent:

@@ -51,6 +51,7 @@ class Client:
             response = self.shard.step(request)
             for _ in range(5):  # the engine runs on while the step "computes"
                 await asyncio.sleep(0)
+        response.timings.total_ns = 10 ** 9  # a step far slower than the router: planning ahead pays
         return response
 
     async def release(self, ids):
@@ -210,7 +211,9 @@ def test_an_answer_already_back_is_applied_before_the_next_step_is_planned():
     class Instant(Client):
         async def step(self, request):
             self.requests.append(request)
-            return self.shard.step(request)
+            response = self.shard.step(request)
+            response.timings.total_ns = 10 ** 9  # the shard claims to set the pace: done() alone decides
+            return response
 
     async def go():
         bm = BlockManager(64, 4)
@@ -226,3 +229,29 @@ def test_an_answer_already_back_is_applied_before_the_next_step_is_planned():
     requests = asyncio.run(go())
     ahead = [bool(r.after_step_id) for r in requests]
     assert len(requests) == 6 and not any(a and b for a, b in zip(ahead, ahead[1:]))
+
+
+def test_no_step_is_planned_ahead_while_the_router_sets_the_pace():
+    """A shard step far shorter than the time between answers (a tiny model,
+    a busy router): steps go out one at a time, as before async scheduling."""
+    class Quick(Client):
+        async def step(self, request):
+            self.requests.append(request)
+            async with self.busy:  # one step at a time, in order, as a shard
+                response = self.shard.step(request)
+                await asyncio.sleep(0.002)  # the round trip
+            response.timings.total_ns = 10_000  # 10 us of it on the shard
+            return response
+
+    async def go():
+        bm = BlockManager(64, 4)
+        scheduler = Scheduler(bm, max_batch_tokens=64)
+        client = Quick(FakeKVShard(bm))
+        engine = Engine(client, scheduler)
+        scheduler.add(seq(1, [10, 11, 12], max_new=8, eos=False))
+        while not engine.idle:
+            await engine.step()
+        return client.requests
+
+    requests = asyncio.run(go())
+    assert len(requests) == 8 and sum(bool(r.after_step_id) for r in requests) <= 1  # the first, before any answer
