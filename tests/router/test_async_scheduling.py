@@ -204,6 +204,23 @@ def test_a_sequence_ended_in_flight_is_released_by_a_later_step():
     assert s.schedule().release_ids == [1]
 
 
+def one_sequence_through(client_class: type[Client], max_new: int) -> list[pb.StepRequest]:
+    """The requests an engine sends to client_class(a fake shard) for one
+    3-token prompt and max_new tokens, stepped as run_forever steps it."""
+    async def go():
+        bm = BlockManager(64, 4)
+        scheduler = Scheduler(bm, max_batch_tokens=64)
+        client = client_class(FakeKVShard(bm))
+        engine = Engine(client, scheduler)
+        scheduler.add(seq(1, [10, 11, 12], max_new=max_new, eos=False))
+        while not engine.idle:
+            await engine.step()
+            await asyncio.sleep(0)  # as run_forever does between steps
+        return client.requests
+
+    return asyncio.run(go())
+
+
 def test_an_answer_already_back_is_applied_before_the_next_step_is_planned():
     """Planning ahead pays only while the shards compute. With answers that
     are back at once, only a step just sent (whose answer cannot be back yet)
@@ -215,18 +232,7 @@ def test_an_answer_already_back_is_applied_before_the_next_step_is_planned():
             response.timings.total_ns = 10 ** 9  # the shard claims to set the pace: done() alone decides
             return response
 
-    async def go():
-        bm = BlockManager(64, 4)
-        scheduler = Scheduler(bm, max_batch_tokens=64)
-        client = Instant(FakeKVShard(bm))
-        engine = Engine(client, scheduler)
-        scheduler.add(seq(1, [10, 11, 12], max_new=6, eos=False))
-        while not engine.idle:
-            await engine.step()
-            await asyncio.sleep(0)  # as run_forever does between steps
-        return client.requests
-
-    requests = asyncio.run(go())
+    requests = one_sequence_through(Instant, max_new=6)
     ahead = [bool(r.after_step_id) for r in requests]
     assert len(requests) == 6 and not any(a and b for a, b in zip(ahead, ahead[1:]))
 
@@ -243,15 +249,5 @@ def test_no_step_is_planned_ahead_while_the_router_sets_the_pace():
             response.timings.total_ns = 10_000  # 10 us of it on the shard
             return response
 
-    async def go():
-        bm = BlockManager(64, 4)
-        scheduler = Scheduler(bm, max_batch_tokens=64)
-        client = Quick(FakeKVShard(bm))
-        engine = Engine(client, scheduler)
-        scheduler.add(seq(1, [10, 11, 12], max_new=8, eos=False))
-        while not engine.idle:
-            await engine.step()
-        return client.requests
-
-    requests = asyncio.run(go())
+    requests = one_sequence_through(Quick, max_new=8)
     assert len(requests) == 8 and sum(bool(r.after_step_id) for r in requests) <= 1  # the first, before any answer
