@@ -4,10 +4,11 @@ the CPU's default wherever they build.
 Decode reads every sequence's blocks in place (no gather, no padding to
 the longest context): one task per (sequence, kv head), the G query heads
 of a kv head sharing each K/V row read, online softmax across blocks.
-Prefill is compute bound and keeps the sdpa backend's kernels. The rotary
-embedding and the KV store are one pass (`rotary_store_kv`), which the
-attention layer calls instead of its rotate-then-store pair when
-`fuses_rotary(backend)`.
+Prefill runs every chunk of a step in one call, the same way (tiles of
+query rows, the prefix read in place, the chunk's own keys from the step's
+rows). The rotary embedding and the KV store are one pass
+(`rotary_store_kv`), which the attention layer calls instead of its
+rotate-then-store pair when `fuses_rotary(backend)`.
 """
 
 from __future__ import annotations
@@ -49,7 +50,14 @@ def varlen_prefill(
     scale: float,
     sliding_window: int = 0,
 ) -> torch.Tensor:
-    """query [T, H, D], key/value [T, KVH, D] -> out [T, H, D]; see tgi_kernels.varlen_prefill."""
+    """query [T, H, D], key/value [T, KVH, D] -> out [T, H, D]; see tgi_kernels.varlen_prefill.
+    All chunks in one call of our kernel (csrc/prefill.cpp; built where the CPU
+    has AVX2 or AVX-512) when the dtypes agree, else SDPA a sequence at a time."""
+    ops = native_ops()
+    if (query.dtype == k_cache.dtype and query.dtype != torch.float64 and query.shape[-1] % 16 == 0
+            and hasattr(ops, "varlen_prefill")):
+        return ops.varlen_prefill(query, key, value, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                  meta.prefix_lens, scale, sliding_window)
     return sdpa.varlen_prefill(query, key, value, k_cache, v_cache, meta, scale, sliding_window)
 
 

@@ -17,6 +17,8 @@ PREFILL_SCENARIOS = {
     "fresh": ([1, 7, 16, 17, 33], [0, 0, 0, 0, 0], 16),
     "chunked": ([5, 16, 1, 9, 3], [3, 16, 40, 0, 1], 4),
     "chunked_bs16": ([20, 1, 16], [17, 31, 16], 16),
+    # several tiles of query rows (the cpu kernel's 8 or 16), prefixes over several blocks
+    "long_bs32": ([100, 37], [45, 0], 32),
 }
 # (seq_lens, block_size)
 DECODE_SCENARIOS = {

@@ -14,8 +14,21 @@ inline R load(const float* p) { return _mm512_loadu_ps(p); }
 inline void store(float* p, R v) { _mm512_storeu_ps(p, v); }
 inline R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
 inline R mul(R a, R b) { return _mm512_mul_ps(a, b); }
+inline R add(R a, R b) { return _mm512_add_ps(a, b); }
+inline R sub(R a, R b) { return _mm512_sub_ps(a, b); }
 inline R set1(float x) { return _mm512_set1_ps(x); }
 inline float sum(R v) { return _mm512_reduce_add_ps(v); }
+inline R max(R a, R b) { return _mm512_max_ps(a, b); }
+inline R min(R a, R b) { return _mm512_min_ps(a, b); }
+// x where lo < key <= hi, lane by lane; -inf elsewhere.
+inline R keep(R x, R lo, R key, R hi) {
+  const __mmask16 k = _mm512_cmp_ps_mask(lo, key, _CMP_LT_OQ) & _mm512_cmp_ps_mask(key, hi, _CMP_LE_OQ);
+  return _mm512_mask_blend_ps(k, _mm512_set1_ps(-__builtin_inff()), x);
+}
+inline R round(R x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline R pow2(R n) {  // 2^n for integral n in [-126, 127]
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
 
 // The lane sums of 16 vectors as one vector: out[t] = sum of a[t]'s 16
 // lanes, in a fixed order (pairs of lanes, then pairs of pairs, then across
@@ -48,13 +61,45 @@ inline R load(const float* p) { return _mm256_loadu_ps(p); }
 inline void store(float* p, R v) { _mm256_storeu_ps(p, v); }
 inline R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
 inline R mul(R a, R b) { return _mm256_mul_ps(a, b); }
+inline R add(R a, R b) { return _mm256_add_ps(a, b); }
+inline R sub(R a, R b) { return _mm256_sub_ps(a, b); }
 inline R set1(float x) { return _mm256_set1_ps(x); }
 inline float sum(R v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+inline R max(R a, R b) { return _mm256_max_ps(a, b); }
+inline R min(R a, R b) { return _mm256_min_ps(a, b); }
+inline R keep(R x, R lo, R key, R hi) {
+  const R k = _mm256_and_ps(_mm256_cmp_ps(lo, key, _CMP_LT_OQ), _mm256_cmp_ps(key, hi, _CMP_LE_OQ));
+  return _mm256_blendv_ps(_mm256_set1_ps(-__builtin_inff()), x, k);
+}
+inline R round(R x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline R pow2(R n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
 }  // namespace tgi::vec
 #else
 #define TGI_VEC 0
+#endif
+
+#if TGI_VEC
+namespace tgi::vec {
+// common.h's exp_approx on a vector (the same range reduction and
+// polynomial; ties of the reduction round to even instead of away from zero).
+inline R exp(R x) {
+  x = min(set1(88.0f), max(set1(-87.0f), x));
+  const R n = round(mul(x, set1(1.44269504088896341f)));
+  const R r = fma(n, set1(2.12194440e-4f), fma(n, set1(-0.693359375f), x));
+  R p = set1(1.9875691500e-4f);
+  p = fma(p, r, set1(1.3981999507e-3f));
+  p = fma(p, r, set1(8.3334519073e-3f));
+  p = fma(p, r, set1(4.1665795894e-2f));
+  p = fma(p, r, set1(1.6666665459e-1f));
+  p = fma(p, r, set1(5.0000001201e-1f));
+  const R e = fma(mul(p, r), r, add(r, set1(1.0f)));
+  return mul(e, pow2(n));
+}
+}  // namespace tgi::vec
 #endif
