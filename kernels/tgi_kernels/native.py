@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from .native_fakes import register_fakes
+
 log = logging.getLogger("tgi_kernels")
 
 SOURCES = Path(__file__).with_name("csrc")
@@ -124,6 +126,7 @@ def native_ops():
     except (RuntimeError, OSError) as e:
         log.warning("C++ CPU kernels off (plain torch kernels instead): %s", e)
         return None
+    register_fakes(torch.ops.tgi)
     return torch.ops.tgi
 
 

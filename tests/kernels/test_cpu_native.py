@@ -166,3 +166,26 @@ def test_exp_block_sums_match_float64_and_do_not_depend_on_the_batch(with_temper
     for i, r in enumerate(picked.tolist()):  # a row alone gives the same bits as inside the batch
         alone = ops.exp_block_sums(x, top, t, torch.tensor([r]), 64)
         assert torch.equal(alone[0], got[i])
+
+
+@needs_ops
+def test_torch_compile_traces_the_ops_by_their_fakes():
+    # The kernels are registered for the CPU key with fakes (native_fakes.py):
+    # inductor traces them as opaque calls in one graph, in-place update of
+    # the residual included, and gets the eager results bit for bit.
+    from tgi_kernels.native_fakes import FAKES
+
+    assert all(torch._library.simple_registry.singleton.find(f"tgi::{name}").fake_impl.kernel is not None
+               for name in FAKES if hasattr(ops, name))
+
+    def block(x, residual, weight, gate_up):
+        h = ops.add_rms_norm(x, residual, weight, 1e-6)  # residual += x
+        return ops.rms_norm(h, weight, 1e-6) + ops.silu_mul(gate_up)[:, :h.shape[1]]
+
+    x, weight, gate_up = torch.randn(5, 32), torch.rand(32) + 0.5, torch.randn(5, 96)
+    residual = torch.randn(5, 32)
+    eager_residual, compiled_residual = residual.clone(), residual.clone()
+    want = block(x, eager_residual, weight, gate_up)
+    torch._dynamo.reset()
+    got = torch.compile(block, fullgraph=True, dynamic=False)(x, compiled_residual, weight, gate_up)
+    assert torch.equal(got, want) and torch.equal(compiled_residual, eager_residual)

@@ -37,4 +37,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 
 }  // namespace tgi
 
-TORCH_LIBRARY_FRAGMENT(tgi, m) { m.def("silu_mul(Tensor gate_up) -> Tensor", tgi::silu_mul); }
+TORCH_LIBRARY_FRAGMENT(tgi, m) {
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tgi, CPU, m) {
+  m.impl("silu_mul", tgi::silu_mul);
+}

@@ -343,7 +343,12 @@ void rotary_store_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
 
 TORCH_LIBRARY_FRAGMENT(tgi, m) {
   m.def("paged_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "float scale, int sliding_window) -> Tensor", tgi::paged_decode);
+        "float scale, int sliding_window) -> Tensor");
   m.def("rotary_store_kv(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, Tensor(b!) k_cache, "
-        "Tensor(c!) v_cache, Tensor slot_mapping) -> ()", tgi::rotary_store_kv);
+        "Tensor(c!) v_cache, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tgi, CPU, m) {
+  m.impl("paged_decode", tgi::paged_decode);
+  m.impl("rotary_store_kv", tgi::rotary_store_kv);
 }

@@ -84,6 +84,10 @@ at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w, int64_t n, const st
 }  // namespace tgi
 
 TORCH_LIBRARY_FRAGMENT(tgi, m) {
-  m.def("bf16_mm(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor", tgi::bf16_mm);
+  m.def("bf16_mm(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
   m.def("bf16_mm_available() -> bool", tgi::bf16_mm_available);
+}
+
+TORCH_LIBRARY_IMPL(tgi, CPU, m) {
+  m.impl("bf16_mm", tgi::bf16_mm);
 }

@@ -463,11 +463,19 @@ at::Tensor int4_amx_mm(const at::Tensor& x, const at::Tensor& packed, const at::
 }  // namespace tgi
 
 TORCH_LIBRARY_FRAGMENT(tgi, m) {
-  m.def("int4_gemv(Tensor x, Tensor packed, Tensor scale_offset, int n) -> Tensor", tgi::int4_gemv);
-  m.def("int4_dequant_mm(Tensor x, Tensor packed, Tensor scale_offset, int n) -> Tensor", tgi::int4_dequant_mm);
-  m.def("int4_amx_mm(Tensor x, Tensor packed, Tensor scale_offset, int n) -> Tensor", tgi::int4_amx_mm);
+  m.def("int4_gemv(Tensor x, Tensor packed, Tensor scale_offset, int n) -> Tensor");
+  m.def("int4_dequant_mm(Tensor x, Tensor packed, Tensor scale_offset, int n) -> Tensor");
+  m.def("int4_amx_mm(Tensor x, Tensor packed, Tensor scale_offset, int n) -> Tensor");
   m.def("int4_amx_available() -> bool", tgi::int4_amx_available);
-  m.def("int4_gemv_int8x(Tensor x, Tensor packed, Tensor scale_offset, int n) -> Tensor", tgi::int4_gemv_int8x);
+  m.def("int4_gemv_int8x(Tensor x, Tensor packed, Tensor scale_offset, int n) -> Tensor");
   m.def("int4_int8x_available() -> bool", tgi::int4_int8x_available);
-  m.def("int4_bf16_mm(Tensor x, Tensor packed, Tensor scale_offset, int n) -> Tensor", tgi::int4_bf16_mm);
+  m.def("int4_bf16_mm(Tensor x, Tensor packed, Tensor scale_offset, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tgi, CPU, m) {
+  m.impl("int4_gemv", tgi::int4_gemv);
+  m.impl("int4_dequant_mm", tgi::int4_dequant_mm);
+  m.impl("int4_amx_mm", tgi::int4_amx_mm);
+  m.impl("int4_gemv_int8x", tgi::int4_gemv_int8x);
+  m.impl("int4_bf16_mm", tgi::int4_bf16_mm);
 }

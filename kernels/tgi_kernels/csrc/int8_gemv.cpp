@@ -111,5 +111,9 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 }  // namespace tgi
 
 TORCH_LIBRARY_FRAGMENT(tgi, m) {
-  m.def("int8_gemv(Tensor x, Tensor q, Tensor scales, int n) -> Tensor", tgi::int8_gemv);
+  m.def("int8_gemv(Tensor x, Tensor q, Tensor scales, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tgi, CPU, m) {
+  m.impl("int8_gemv", tgi::int8_gemv);
 }

@@ -73,6 +73,11 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
 }  // namespace tgi
 
 TORCH_LIBRARY_FRAGMENT(tgi, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", tgi::rms_norm);
-  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor", tgi::add_rms_norm);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tgi, CPU, m) {
+  m.impl("rms_norm", tgi::rms_norm);
+  m.impl("add_rms_norm", tgi::add_rms_norm);
 }

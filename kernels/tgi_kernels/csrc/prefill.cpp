@@ -269,7 +269,10 @@ at::Tensor varlen_prefill(const at::Tensor& query, const at::Tensor& key, const 
 
 TORCH_LIBRARY_FRAGMENT(tgi, m) {
   m.def("varlen_prefill(Tensor query, Tensor key, Tensor value, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor cu_seqlens_q, Tensor prefix_lens, float scale, int sliding_window) -> Tensor",
-        tgi::varlen_prefill);
+        "Tensor block_tables, Tensor cu_seqlens_q, Tensor prefix_lens, float scale, int sliding_window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tgi, CPU, m) {
+  m.impl("varlen_prefill", tgi::varlen_prefill);
 }
 #endif

@@ -59,6 +59,9 @@ at::Tensor exp_block_sums(const at::Tensor& x, const at::Tensor& top, const std:
 }  // namespace tgi
 
 TORCH_LIBRARY_FRAGMENT(tgi, m) {
-  m.def("exp_block_sums(Tensor x, Tensor top, Tensor? temperature, Tensor? rows, int block) -> Tensor",
-        tgi::exp_block_sums);
+  m.def("exp_block_sums(Tensor x, Tensor top, Tensor? temperature, Tensor? rows, int block) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tgi, CPU, m) {
+  m.impl("exp_block_sums", tgi::exp_block_sums);
 }
