@@ -178,10 +178,13 @@ void decode_heads_vec(const T* q, const T* k_cache, const T* v_cache, int64_t bl
     for (int64_t h = 0; h < QH; ++h) {
       const int64_t kv = (h / G) * D;  // this query head's kv head, within a row
       const float* qh = qf + h * D;
+      float correction;
 #if defined(__AVX512F__)
       if (kD != 0 && n == kChunk) {
         // A whole chunk: 16 dot products as 16 vectors of partial sums, then
-        // one transpose-reduce (sum16) gives the 16 scores.
+        // one transpose-reduce (sum16) gives the 16 scores, whose online
+        // softmax step stays in one register (the scalar loop's call took a
+        // third of the kernel's time).
         R a[kChunk];
 #pragma GCC unroll 16
         for (int64_t t = 0; t < kChunk; ++t) {
@@ -191,22 +194,53 @@ void decode_heads_vec(const T* q, const T* k_cache, const T* v_cache, int64_t bl
           for (int64_t j = 1; j < nj; ++j) x = fma(load(qh + j * kWidth), load(kr + j * kWidth), x);
           a[t] = x;
         }
-        store(s, sum16(a));
+        const R scores = sum16(a);
+        const float mx = std::max(m[h], _mm512_reduce_max_ps(scores));
+        // The first chunk rescales nothing: the accumulators and l are still 0.
+        // (exp_approx is not inlined here: a call per head and chunk cost ~15% of the kernel)
+        correction = m[h] == -std::numeric_limits<float>::infinity() ? 0.0f
+                                                                      : _mm512_cvtss_f32(exp(set1(m[h] - mx)));
+        const R p = exp(sub(scores, set1(mx)));
+        l[h] = l[h] * correction + sum(p);
+        m[h] = mx;
+        store(s, p);
       } else
 #endif
-      for (int64_t t = 0; t < n; ++t) {
-        const float* kr = krow[t] + kv;
-        R a = mul(load(qh), load(kr));
-        for (int64_t j = 1; j < nj; ++j) a = fma(load(qh + j * kWidth), load(kr + j * kWidth), a);
-        s[t] = sum(a);
+      {
+        for (int64_t t = 0; t < n; ++t) {
+          const float* kr = krow[t] + kv;
+          R a = mul(load(qh), load(kr));
+          for (int64_t j = 1; j < nj; ++j) a = fma(load(qh + j * kWidth), load(kr + j * kWidth), a);
+          s[t] = sum(a);
+        }
+        correction = online_softmax(s, n, m[h], l[h]);
       }
-      const float correction = online_softmax(s, n, m[h], l[h]);
       float* ah = acc + h * D;
       const R c = set1(correction);
-      for (int64_t j = 0; j < nj; ++j) {
-        R a = mul(load(ah + j * kWidth), c);
-        for (int64_t t = 0; t < n; ++t) a = fma(set1(s[t]), load(vrow[t] + kv + j * kWidth), a);
-        store(ah + j * kWidth, a);
+      if constexpr (kD != 0) {
+        // Up to 8 of the head's D / kWidth accumulators side by side: that
+        // many independent FMA chains over the chunk's tokens (one chain a
+        // vector kept the FMA latency, not its throughput, as the limit).
+        constexpr int64_t kJ = kD / kWidth, kStep = kJ < 8 ? kJ : 8;
+        for (int64_t j0 = 0; j0 < kJ; j0 += kStep) {
+          R a[kStep];
+#pragma GCC unroll 8
+          for (int64_t j = 0; j < kStep; ++j) a[j] = mul(load(ah + (j0 + j) * kWidth), c);
+          for (int64_t t = 0; t < n; ++t) {
+            const R p = set1(s[t]);
+            const float* vr = vrow[t] + kv + j0 * kWidth;
+#pragma GCC unroll 8
+            for (int64_t j = 0; j < kStep; ++j) a[j] = fma(p, load(vr + j * kWidth), a[j]);
+          }
+#pragma GCC unroll 8
+          for (int64_t j = 0; j < kStep; ++j) store(ah + (j0 + j) * kWidth, a[j]);
+        }
+      } else {
+        for (int64_t j = 0; j < nj; ++j) {
+          R a = mul(load(ah + j * kWidth), c);
+          for (int64_t t = 0; t < n; ++t) a = fma(set1(s[t]), load(vrow[t] + kv + j * kWidth), a);
+          store(ah + j * kWidth, a);
+        }
       }
     }
     t0 += n;
