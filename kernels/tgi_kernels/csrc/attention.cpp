@@ -98,12 +98,19 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, int64_t block_st
   }
 }
 
+// Cache lines to prefetch: the K and V rows of one chunk (lines x 64 bytes from k and v).
+struct Rows {
+  const char *k = nullptr, *v = nullptr;
+  int64_t lines = 0;
+};
+
 // decode_one over hp consecutive kv heads of one sequence (the plain path
-// always gets hp = 1): the signature decode_heads_vec shares.
+// always gets hp = 1): the signature decode_heads_vec shares. `after`: the
+// first chunk of the thread's next work item (decode_heads_vec prefetches it).
 template <typename T, int64_t kD>
 void decode_heads(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride, int64_t token_stride,
                   const int32_t* table, int64_t block_size, int64_t first, int64_t last, int64_t hp, int64_t G,
-                  int64_t head_dim, double scale, T* out) {
+                  int64_t head_dim, double scale, T* out, const Rows& /*after*/) {
   for (int64_t i = 0; i < hp; ++i)
     decode_one<T, kD>(q + i * G * head_dim, k_cache + i * head_dim, v_cache + i * head_dim, block_stride,
                       token_stride, table, block_size, first, last, G, head_dim, scale, out + i * G * head_dim);
@@ -123,7 +130,7 @@ constexpr int64_t kChunk = 16, kMaxRow = 1024;  // floats of one token's hp head
 template <typename T, int64_t kD>
 void decode_heads_vec(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride, int64_t token_stride,
                       const int32_t* table, int64_t block_size, int64_t first, int64_t last, int64_t hp, int64_t G,
-                      int64_t head_dim, double scale, T* out) {
+                      int64_t head_dim, double scale, T* out, const Rows& after) {
   using namespace vec;
   constexpr bool kFloat = std::is_same_v<T, float>;
   const int64_t D = kD ? kD : head_dim, nj = D / kWidth, QH = hp * G, row = hp * D;
@@ -145,18 +152,18 @@ void decode_heads_vec(const T* q, const T* k_cache, const T* v_cache, int64_t bl
     const int64_t n = std::min({kChunk, block_size - offset, last - t0});
     const T* kb = k_cache + block * block_stride + offset * token_stride;
     const T* vb = v_cache + block * block_stride + offset * token_stride;
+    // The next chunk's block is anywhere in the cache, where the hardware
+    // prefetcher cannot follow: its rows (first token's onward, one line
+    // each 64 bytes) are asked for while this chunk computes, a share
+    // before each query head, so the requests never pile up beyond what
+    // the core tracks at once (all of them up front: dropped, no faster).
+    // The last chunk prefetches the next work item's first.
+    Rows ahead = after;
     if (t0 + n < last) {
-      // The next chunk's block is anywhere in the cache, where the hardware
-      // prefetcher cannot follow: ask for its rows now, to arrive while
-      // this chunk computes (its first token's rows onward, one line each 64 bytes).
       const int64_t next = t0 + n, nblock = table[next / block_size], noff = next % block_size;
-      const int64_t bytes = std::min({kChunk, block_size - noff, last - next}) * token_stride * int64_t(sizeof(T));
-      const char* nk = reinterpret_cast<const char*>(k_cache + nblock * block_stride + noff * token_stride);
-      const char* nv = reinterpret_cast<const char*>(v_cache + nblock * block_stride + noff * token_stride);
-      for (int64_t b = 0; b < bytes; b += 64) {
-        __builtin_prefetch(nk + b);
-        __builtin_prefetch(nv + b);
-      }
+      ahead.lines = (std::min({kChunk, block_size - noff, last - next}) * token_stride * int64_t(sizeof(T)) + 63) / 64;
+      ahead.k = reinterpret_cast<const char*>(k_cache + nblock * block_stride + noff * token_stride);
+      ahead.v = reinterpret_cast<const char*>(v_cache + nblock * block_stride + noff * token_stride);
     }
     for (int64_t t = 0; t < n; ++t) {
       if constexpr (kFloat) {
@@ -176,6 +183,10 @@ void decode_heads_vec(const T* q, const T* k_cache, const T* v_cache, int64_t bl
       }
     }
     for (int64_t h = 0; h < QH; ++h) {
+      for (int64_t line = h * ahead.lines / QH; line < (h + 1) * ahead.lines / QH; ++line) {
+        __builtin_prefetch(ahead.k + line * 64);
+        __builtin_prefetch(ahead.v + line * 64);
+      }
       const int64_t kv = (h / G) * D;  // this query head's kv head, within a row
       const float* qh = qf + h * D;
       float correction;
@@ -327,11 +338,22 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
 #endif
     const int64_t parts = KVH / hp;
     at::parallel_for(0, B * parts, small ? B * parts : 1, [&](int64_t begin, int64_t end) {
+      auto first_key = [&](int64_t b) {
+        return sliding_window > 0 ? std::max<int64_t>(0, lens[b] - sliding_window) : int64_t(0);
+      };
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / parts, h = (i % parts) * hp, n = lens[b];
-        const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, n - sliding_window) : 0;
+        const int64_t b = i / parts, h = (i % parts) * hp;
+        Rows after;
+        if (i + 1 < end) {
+          const int64_t nb = (i + 1) / parts, nh = ((i + 1) % parts) * hp, nf = first_key(nb);
+          const int64_t offset = (int64_t(tables[nb * width + nf / block_size]) * block_size + nf % block_size) * KVH * D
+                                 + nh * D;
+          const int64_t tokens = std::min<int64_t>({16, block_size - nf % block_size, lens[nb] - nf});
+          after = {reinterpret_cast<const char*>(kp + offset), reinterpret_cast<const char*>(vp + offset),
+                   (((tokens - 1) * KVH * D + hp * D) * int64_t(sizeof(scalar_t)) + 63) / 64};
+        }
         one(qp + b * query.stride(0) + h * G * D, kp + h * D, vp + h * D, block_size * KVH * D, KVH * D,
-            tables + b * width, block_size, first, n, hp, G, D, scale, op + (b * H + h * G) * D);
+            tables + b * width, block_size, first_key(b), lens[b], hp, G, D, scale, op + (b * H + h * G) * D, after);
       }
     });
   });
