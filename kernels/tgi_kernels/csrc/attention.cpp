@@ -348,6 +348,7 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
           const int64_t nb = (i + 1) / parts, nh = ((i + 1) % parts) * hp, nf = first_key(nb);
           const int64_t offset = (int64_t(tables[nb * width + nf / block_size]) * block_size + nf % block_size) * KVH * D
                                  + nh * D;
+          // its first chunk: up to 16 tokens (decode_heads_vec's kChunk) within its first block
           const int64_t tokens = std::min<int64_t>({16, block_size - nf % block_size, lens[nb] - nf});
           after = {reinterpret_cast<const char*>(kp + offset), reinterpret_cast<const char*>(vp + offset),
                    (((tokens - 1) * KVH * D + hp * D) * int64_t(sizeof(scalar_t)) + 63) / 64};

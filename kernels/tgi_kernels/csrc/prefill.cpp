@@ -245,6 +245,7 @@ at::Tensor varlen_prefill(const at::Tensor& query, const at::Tensor& key, const 
       const int32_t* tables = block_tables.const_data_ptr<int32_t>();
       scalar_t* op = out.mutable_data_ptr<scalar_t>();
       auto one = D == 64 ? prefill_tile<scalar_t, 64> : D == 128 ? prefill_tile<scalar_t, 128> : prefill_tile<scalar_t, 0>;
+      // Little work in all (a few short chunks): stay on this thread rather than wake the pool.
       const int64_t threads = work * G * D < (1 << 16) ? 1 : std::min<int64_t>(at::get_num_threads(), tiles.size());
       at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scratch(scratch_floats(G, D));
