@@ -179,12 +179,22 @@ def test_torch_compile_traces_the_ops_by_their_fakes():
 
     assert all(torch._library.simple_registry.singleton.find(f"tgi::{name}").fake_impl.kernel is not None
                for name in FAKES if hasattr(ops, name))
+    # Under ATEN_CPU_CAPABILITY below the CPU's own ISA (the AVX2 emulation run on an
+    # AVX-512 machine), torch 2.13's inductor miscompiles even `a * 2 + b` (lanes past
+    # the 8th are garbage): nothing of ours can be checked there.
+    a, b = torch.randn(5, 32), torch.randn(5, 32)
+    torch._dynamo.reset()
+    if not torch.equal(torch.compile(lambda a, b: a * 2 + b, fullgraph=True)(a, b), a * 2 + b):
+        pytest.skip("inductor miscompiles plain torch ops on this CPU setting")
 
     def block(x, residual, weight, gate_up):
         h = ops.add_rms_norm(x, residual, weight, 1e-6)  # residual += x
-        return ops.rms_norm(h, weight, 1e-6) + ops.silu_mul(gate_up)[:, :h.shape[1]]
+        return ops.rms_norm(h, weight, 1e-6) + ops.silu_mul(gate_up)
 
-    x, weight, gate_up = torch.randn(5, 32), torch.rand(32) + 0.5, torch.randn(5, 96)
+    # gate_up [5, 64] -> [5, 32]: no slice of an op's output in the graph. torch 2.13's
+    # inductor gets `mm(a, w) + mm(c, w2)[:, :32]` wrong on this CPU by itself (plain
+    # torch ops), writing a row's vector past the slice: not what this test is about.
+    x, weight, gate_up = torch.randn(5, 32), torch.rand(32) + 0.5, torch.randn(5, 64)
     residual = torch.randn(5, 32)
     eager_residual, compiled_residual = residual.clone(), residual.clone()
     want = block(x, eager_residual, weight, gate_up)
