@@ -22,7 +22,12 @@ from ..weights.source import TensorSource
 
 # oneDNN repacks a plain bf16 weight into its blocked layout on every call;
 # packing once at load time made SmolLM2's linears 26% (batch 1) to 40%
-# (batch 64) faster on a 2-core AMX CPU. The hint is the batch it tunes for.
+# (batch 64) faster on a 2-core AMX CPU. float32 weights went through MKL's
+# sgemm (F.linear), which at few rows reads the weight at 2-5 GB/s on a 2-core
+# Zen 1 (AVX2): oneDNN's prepacked float32 GEMM took SmolLM2's whole decode
+# step from 300 / 442 / 714 ms to 84 / 191 / 329 ms at batch 8 / 32 / 64, and a
+# 512-token prefill from 3.1 to 1.76 s. The hint is the batch it tunes for
+# (None, 8, 32 and 128 measured within noise of each other there).
 PACK_BATCH_HINT = 32
 
 
@@ -46,20 +51,23 @@ def _bf16_gemm(weight: torch.Tensor):
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:
-    # oneDNN packs bf16 only on CPUs with AVX512-BW/VL/DQ or AVX-NE-CONVERT (it raises elsewhere).
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    # oneDNN packs float32 on any x86 CPU, bf16 only on CPUs with AVX512-BW/VL/DQ or
+    # AVX-NE-CONVERT (it raises elsewhere).
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class Linear(nn.Module):
     """y = x @ weight.T + bias; weight [out, in], x [T, in] -> [T, out].
 
     reduce: the group over which y is summed (row-parallel, world size > 1),
-    None otherwise. bf16 weights on CPU are kept only in the layout of the
-    GEMM that runs them: ours (csrc/bf16_gemm.cpp, `lanes`) on AVX512-BF16
-    CPUs without AMX, 1.1-2x oneDNN's there at 1 to 512 rows; oneDNN's
-    prepacked layout (`packed`) on the others."""
+    None otherwise. bf16 and float32 weights on CPU are kept only in the
+    layout of the GEMM that runs them: ours (csrc/bf16_gemm.cpp, `lanes`) for
+    bf16 on AVX512-BF16 CPUs without AMX, 1.1-2x oneDNN's there at 1 to 512
+    rows; oneDNN's prepacked layout (`packed`) elsewhere."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  reduce: TensorParallel | None = None):
