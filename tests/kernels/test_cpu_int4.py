@@ -67,7 +67,7 @@ def test_dequantized_gemm_equals_the_dequantized_product(n, k, group, dtype, row
     assert y.shape == (rows, n) and y.dtype == dtype and rel_err(y, ref) < TOLERANCE[dtype]
 
 
-needs_int8x = pytest.mark.skipif(ops is None or not ops.int4_int8x_available(), reason="no AVX512-VNNI here")
+needs_int8x = pytest.mark.skipif(ops is None or not ops.int4_int8x_available(), reason="no AVX2 or AVX512-VNNI here")
 # x rounded to int8 per 32 columns moves each product by up to 1/254 of its run's largest |x| times
 # |w|: the error is measured against the size of the terms, sum |x| |w|, as well as the output's
 # rounding; against |y| it can be larger where the terms cancel (a large offset, one group a row).
@@ -80,7 +80,7 @@ def int8x_err(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
 
 @needs_int8x
 @pytest.mark.parametrize("n, k, group", SHAPES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
 def test_gemv_with_int8_activations_stays_near_the_dequantized_product(n, k, group, dtype, rows):
     m = matrix(n, k, group)
@@ -104,9 +104,12 @@ def test_int8_activations_are_exact_where_x_is_a_multiple_of_its_scale():
 
 
 @needs_int8x
-def test_quant_linear_takes_int8_activations_for_bf16_only_not_float32():
+def test_quant_linear_takes_int8_activations_unless_float32_was_asked_for():
+    """bf16 activations, or float32 ones whose kernel dtype is bf16 (the shard's
+    default for a float32 model), go to int8; float32 asked for stays exact."""
     m = matrix(48, 128, 32)
     assert QuantLinear(m, None, torch.bfloat16, CPU).gemv == ops.int4_gemv_int8x
+    assert QuantLinear(m, None, torch.float32, CPU, kernel_dtype=torch.bfloat16).gemv == ops.int4_gemv_int8x
     assert QuantLinear(m, None, torch.float32, CPU).gemv == ops.int4_gemv
 
 
@@ -159,9 +162,6 @@ def test_the_kernels_check_their_operands():
         ops.int4_gemv(x, packed, so, 20)
     with pytest.raises(RuntimeError, match="packed must be"):
         ops.int4_dequant_mm(x[:, :64].contiguous(), packed, so, 48)
-    if ops.int4_int8x_available():
-        with pytest.raises(RuntimeError, match="bf16 or fp16"):
-            ops.int4_gemv_int8x(x, packed, so, 48)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -197,16 +197,24 @@ def test_quant_linear_keeps_only_our_layout():
     assert not hasattr(layer, "scale_zeros")
 
 
-def test_float32_stays_exact_whatever_kernel_dtype_says():
-    """kernel_dtype (bf16 activations for torch's kernels) does not apply to ours:
-    a float32 model's int4 layers take x and their scales in float32."""
+def test_float32_keeps_its_scales_and_rounds_only_the_gemv_activations_when_kernel_dtype_says_bf16():
+    """Our kernels take x and the scales in float32 whatever kernel_dtype says; with
+    kernel_dtype bf16 (the shard's default for a float32 model) the GEMV rounds x to
+    int8 per 32 columns where it can, and past its rows the layer is exact again; a
+    float32 asked for (kernel_dtype None) is exact at every row count."""
     m = matrix(48, 128, 32)
-    layer = QuantLinear(m, None, torch.float32, CPU, kernel_dtype=torch.bfloat16)
-    assert layer.scale_offset.dtype == torch.float32
-    for rows in (1, 40):
+    fast = QuantLinear(m, None, torch.float32, CPU, kernel_dtype=torch.bfloat16)
+    exact = QuantLinear(m, None, torch.float32, CPU)
+    assert fast.scale_offset.dtype == exact.scale_offset.dtype == torch.float32
+    w = m.dequantize()
+    for rows in (1, fast.gemv_max_rows + 1):
         x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(5))
         with torch.inference_mode():
-            assert rel_err(layer(x), x @ m.dequantize().T) < 1e-5
+            assert rel_err(exact(x), x @ w.T) < 1e-5
+            if rows > fast.gemv_max_rows or not ops.int4_int8x_available():
+                assert rel_err(fast(x), x @ w.T) < 1e-5
+            else:
+                assert int8x_err(fast(x), x, w) < INT8X_TOLERANCE
 
 
 def test_groups_that_are_not_runs_of_32_keep_the_torch_paths():

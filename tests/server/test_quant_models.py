@@ -117,8 +117,9 @@ def kernel_input_dtype(layer: QuantLinear) -> torch.dtype:
 
 def test_without_dtype_a_cpu_lacking_bf16_feeds_its_quantized_kernels_bf16(quantized, tmp_path, monkeypatch):
     """The shard's default there: a float32 model whose torch int4/int8 kernels take
-    bf16 (torch vectorizes them for bf16 only); --dtype float32 stays exact, and
-    so do our int4 kernels (fast in float32) either way."""
+    bf16 (torch vectorizes them for bf16 only) and whose int4 GEMV (ours) rounds x
+    to int8 where it can; --dtype float32 stays exact. Our int4 kernels take x in
+    float32 either way."""
     _, path = quantized
     monkeypatch.setattr(model_loader, "_cpu_has_bf16", lambda: False)
     reference = dequantized_reference(path)
@@ -135,7 +136,13 @@ def test_without_dtype_a_cpu_lacking_bf16_feeds_its_quantized_kernels_bf16(quant
         runner, layers = shard(dtype)
         ours = layers[0].kernel == "int4" and layers[0].native is not None
         assert {kernel_input_dtype(m) for m in layers} == {torch.float32 if ours else kernel_dtype}
-        tolerance = 1e-5 if ours else tolerance
+        if ours and kernel_dtype == torch.bfloat16 and layers[0].gemv == native_ops().int4_gemv_int8x:
+            # x rounded to int8 per 32 columns (llama.cpp's Q8 activations) in every GEMV of
+            # up to gemv_max_rows rows: 0.7-4.9% mean logit error on these random 2-layer
+            # models (Zen 1, AVX2), where bf16 activations give under 2%.
+            tolerance = 6e-2
+        elif ours:
+            tolerance = 1e-5
         for prompt in PROMPTS:
             ours = engine_logits(runner, prompt)
             assert ours.dtype == torch.float32 and relative_error(ours, hf_logits(reference, prompt)) < tolerance

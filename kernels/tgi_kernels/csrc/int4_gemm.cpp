@@ -163,7 +163,7 @@ void gemv(const T* x, const uint8_t* packed, const T* so, const Int4Shape& s, T*
   });
 }
 
-#ifdef TGI_INT4_VNNI
+#ifdef TGI_INT4_INT8X
 // The same product with x quantized to int8 per 32 columns (int4_vnni.h).
 template <typename T>
 void gemv_int8x(const T* x, const uint8_t* packed, const T* so, const Int4Shape& s, T* y) {
@@ -392,25 +392,25 @@ at::Tensor int4_bf16_mm(const at::Tensor& x, const at::Tensor& packed, const at:
   return y;
 }
 
-// True where int4_gemv_int8x can run: built with AVX512-VNNI and -VBMI.
+// True where int4_gemv_int8x can run: built with AVX2 (vpmaddubsw) or with
+// AVX512-VNNI and -VBMI (vpdpbusd).
 bool int4_int8x_available() {
-#ifdef TGI_INT4_VNNI
+#ifdef TGI_INT4_INT8X
   return true;
 #else
   return false;
 #endif
 }
 
-// bf16 / fp16 x [M, K] -> x @ w.T [M, N] in x's dtype, x quantized to int8 per
-// row and 32 columns on the way (int4_vnni.h): the GEMV for a few rows where
-// activations need not stay exact.
+// x [M, K] -> x @ w.T [M, N] in x's dtype, x quantized to int8 per row and 32
+// columns on the way (int4_vnni.h): the GEMV for a few rows where activations
+// need not stay exact (QuantLinear's choice; int4_gemv keeps float32 exact).
 at::Tensor int4_gemv_int8x(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_offset, int64_t n) {
   const Int4Shape s = check(x, packed, scale_offset, n);
-  TORCH_CHECK(x.scalar_type() != at::kFloat, "int4_gemv_int8x takes bf16 or fp16 (float32 keeps int4_gemv, exact)");
-  TORCH_CHECK(int4_int8x_available(), "int4_gemv_int8x: no AVX512-VNNI here (see int4_int8x_available)");
+  TORCH_CHECK(int4_int8x_available(), "int4_gemv_int8x: no AVX2 or AVX512-VNNI here (see int4_int8x_available)");
   auto y = at::empty({s.M, s.N}, x.options());
-#ifdef TGI_INT4_VNNI
-  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "int4_gemv_int8x", [&] {
+#ifdef TGI_INT4_INT8X
+  TGI_DISPATCH_16_32(x.scalar_type(), "int4_gemv_int8x", [&] {
     gemv_int8x(x.const_data_ptr<scalar_t>(), packed.const_data_ptr<uint8_t>(), scale_offset.const_data_ptr<scalar_t>(),
                s, y.mutable_data_ptr<scalar_t>());
   });

@@ -1,12 +1,19 @@
-// The int4 GEMV with x quantized to int8 (int4_gemm.cpp's int4_gemv_int8x),
-// for bf16 / fp16 activations on CPUs with AVX512-VNNI and AVX512-VBMI: the
-// products of 4-bit weights and 8-bit activations summed exactly in int32 by
-// vpdpbusd, 64 per instruction, where the float GEMV does 16 multiply-adds an
-// instruction after widening every nibble to a float. It reads int4_gemm.cpp's
-// layout as it is (no second copy of the weights): one 64-byte line holds 4
-// column pairs of 16 rows, byte 16 i + j = row j's columns 2 i (low nibble)
-// and 2 i + 1 (high); one byte permutation per nibble half puts each row's 4
-// columns into its own 32-bit lane.
+// The int4 GEMV with x quantized to int8 (int4_gemm.cpp's int4_gemv_int8x):
+// the products of 4-bit weights and 8-bit activations summed exactly in
+// integers, where the float GEMV does 16 multiply-adds an instruction after
+// widening every nibble to a float. It reads int4_gemm.cpp's layout as it is
+// (no second copy of the weights): one 64-byte line holds 4 column pairs of
+// 16 rows, byte 16 i + j = row j's columns 2 i (low nibble) and 2 i + 1 (high).
+// - AVX512-VNNI and -VBMI (Zen 4, Ice Lake and later): one byte permutation
+//   per nibble half puts each row's 4 columns into its own 32-bit lane, and
+//   vpdpbusd sums 64 products an instruction into int32.
+// - AVX2 (Zen 1-3, Haswell and later): the nibble halves of two pairs,
+//   interleaved byte by byte (vpunpck*bw, within 128-bit lanes), give each
+//   row's two columns side by side, and vpmaddubsw sums 32 products an
+//   instruction into int16: at most 2 * 15 * 127 per product pair and 8 of
+//   them per run of 32 columns, 30480 < 2^15, so nothing saturates. On a
+//   2-core Zen 1 the float GEMV spent ~30 uops a column pair at one row (10
+//   of them widening nibbles to float) and SmolLM2's decode step took 22 ms.
 //
 // x is quantized per row and 32 columns (dx = max |x| / 127, x ~ dx * xq):
 // llama.cpp's Q8 activations. Each output is then
@@ -18,18 +25,29 @@
 #include "common.h"
 #include "lanes.h"
 
+#include <cstring>
+
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define TGI_INT4_VNNI 1
+#define TGI_INT4_INT8X 1
+#elif defined(TGI_LANES_AVX2)
+#define TGI_INT4_INT8X 1
+#endif
 
+#ifdef TGI_INT4_INT8X
 namespace tgi::int4_vnni {
 
 using lanes16::kLanes;
 
 constexpr int64_t kRun = 32;  // columns that share one activation scale
 
+#ifdef TGI_INT4_VNNI
 // Column c of every 8 goes to byte (c & 1) * 4 + c / 2 of its 8: the order
 // (0, 2, 4, 6, 1, 3, 5, 7) in which the permuted nibbles hold them.
 inline int64_t slot(int64_t c) { return (c & ~int64_t(7)) + (c & 1) * 4 + ((c & 7) >> 1); }
+#else
+inline int64_t slot(int64_t c) { return c; }  // the AVX2 block reads x in column order
+#endif
 
 // x [M, K] -> xq [M, K] int8 (each 8 columns in slot order), dx [M, K / 32].
 template <typename T>
@@ -50,6 +68,7 @@ void quantize(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx) {
   }
 }
 
+#ifdef TGI_INT4_VNNI
 // acc += w (u8) . the four int8 at p, broadcast to every 32-bit lane, as one
 // vpdpbusd with an embedded broadcast: GCC emits a separate vpbroadcastd for
 // _mm512_set1_epi32, a second uop per product on the vector pipes.
@@ -115,6 +134,72 @@ void block(const uint8_t* q, const T* so, const uint8_t* next_q, const T* next_s
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) out[m] = {total[m]};
 }
+
+#else
+// x's int8 columns 2 i .. 2 i + 3 at p as 32 bytes: (x[2 i], x[2 i + 1]) in
+// every 16-bit lane of the low 128 bits, (x[2 i + 2], x[2 i + 3]) in the high.
+inline __m256i x_pairs(const int8_t* p) {
+  int32_t four;
+  std::memcpy(&four, p, sizeof four);
+  const __m256i pick = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                        2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+  return _mm256_shuffle_epi8(_mm256_set1_epi32(four), pick);
+}
+
+// The int16 sums of 8 rows, two column pairs' worth (one per 128-bit lane),
+// added into int32 and made float.
+inline __m256 row_sums(__m256i acc) {
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc)),
+                                             _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc, 1))));
+}
+
+// MR rows against one block of 16 output rows, as the VNNI block above. Each
+// 32-byte load holds pairs p and p + 1 for all 16 rows; interleaving its low
+// and high nibbles gives rows 0-7 (r0) and rows 8-15 (r8), each row's two
+// columns of pair p in the low 128 bits and of pair p + 1 in the high.
+template <typename T, int MR>
+void block(const uint8_t* q, const T* so, const uint8_t* next_q, const T* next_so, const int8_t* xq,
+           const float* dx, const float* xsum, int64_t K, int64_t G, int64_t per, lanes16::Lanes* out) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  lanes16::Lanes total[MR];
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) total[m] = lanes16::zero();
+  for (int64_t g = 0; g < G; ++g) {
+    __builtin_prefetch(next_so + 2 * g * kLanes);
+    __builtin_prefetch(next_so + (2 * g + 1) * kLanes);
+    const lanes16::Lanes scale = lanes16::lanes(so + 2 * g * kLanes), offset = lanes16::lanes(so + (2 * g + 1) * kLanes);
+    for (int64_t p0 = g * per; p0 < (g + 1) * per; p0 += kRun / 2) {  // 16 pairs: one run of 32 columns
+      __m256i acc0[MR], acc8[MR];  // int16, rows 0-7 and 8-15
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) acc0[m] = acc8[m] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) {
+        const int64_t p = p0 + 2 * u;
+        if (u % 2 == 0) __builtin_prefetch(next_q + p * kLanes);  // one 64-byte line: 4 pairs
+        const __m256i w = _mm256_loadu_si256((const __m256i*)(q + p * kLanes));
+        const __m256i lo = _mm256_and_si256(w, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+        const __m256i r0 = _mm256_unpacklo_epi8(lo, hi), r8 = _mm256_unpackhi_epi8(lo, hi);
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; ++m) {
+          const __m256i xv = x_pairs(xq + m * K + 2 * p);
+          acc0[m] = _mm256_add_epi16(acc0[m], _mm256_maddubs_epi16(r0, xv));
+          acc8[m] = _mm256_add_epi16(acc8[m], _mm256_maddubs_epi16(r8, xv));
+        }
+      }
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const __m256 ds = _mm256_set1_ps(dx[m * (K / kRun) + 2 * p0 / kRun]);
+        total[m].a = _mm256_fmadd_ps(row_sums(acc0[m]), _mm256_mul_ps(scale.a, ds), total[m].a);
+        total[m].b = _mm256_fmadd_ps(row_sums(acc8[m]), _mm256_mul_ps(scale.b, ds), total[m].b);
+      }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) total[m] = lanes16::fma(xsum[m * G + g], offset, total[m]);
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) out[m] = total[m];
+}
+#endif
 
 }  // namespace tgi::int4_vnni
 #endif

@@ -69,6 +69,7 @@ inline void store(c10::Half* p, Lanes a, int64_t n) {
   _mm256_mask_storeu_epi16(p, first(n), _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TGI_LANES_AVX2 1
 constexpr int kMaxRows = 4;  // 16 ymm: a Lanes is two of them
 struct Lanes {
   __m256 a, b;

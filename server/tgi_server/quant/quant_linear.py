@@ -11,12 +11,15 @@ On CPU, chosen once at load:
   pairs of 16-row blocks dequantized into the dense bf16 GEMM's layout, whose
   tiles then take every row of x (csrc/bf16_tile.h; the weights then equal the
   dense model's); else the weight dequantized into a per-thread scratch for
-  one dense GEMM. All accumulate in float and take x in
-  its own dtype (a float32 model stays exact; kernel_dtype does not apply).
-  On CPUs with AVX512-VNNI and -VBMI, the GEMV of a bf16 or fp16 model
-  quantizes x to int8 per row and 32 columns on the way, as llama.cpp does
-  (csrc/int4_vnni.h): integer dot products, ~2x the float GEMV's speed where
-  it is compute bound (8 rows and more), ~15% at one row, where it reads memory.
+  one dense GEMM. All accumulate in float and take x in its own dtype.
+  The GEMV of a bf16 or fp16 model, or of a float32 one whose kernel_dtype
+  is bf16 (no --dtype float32), quantizes x to int8 per row and 32 columns
+  on the way, as llama.cpp does (csrc/int4_vnni.h): integer dot products.
+  With AVX512-VNNI and -VBMI, ~2x the float GEMV's speed where it is compute
+  bound (8 rows and more), ~15% at one row, where it reads memory; with AVX2
+  (a 2-core Zen 1), 1.5-2.2x at one row and 1.3-1.9x at 8 to 64 rows, taking
+  SmolLM2's 120 int4 matrices at one row from 16 to 8.2 ms. --dtype float32
+  keeps the float GEMV, exact to float32 rounding.
   Elsewhere torch's packed int4 GEMM (`_weight_int4pack_mm_for_cpu`, groups
   of 32/64/128/256, N % 16 == 0).
   It computes w = (q - 8) * scale + zero, so zero = offset + 8 * scale.
@@ -58,11 +61,14 @@ LANES, LANE_GROUP = 16, 32
 # "amx"), measured at SmolLM2's shapes summed, one thread: bf16 AMX 12.0 / 14.9 / 18.6 ms against
 # 14.1 / 14.4 / 14.3 at 4 / 6 / 8 rows over its 120 matrices (cold, as in decode); bf16 without
 # AMX (oneDNN's AVX512-BF16 GEMM) 5.4 against 7.0 ms at 64 rows; fp32 and fp16 at 32 rows 2.5 against
-# 2.7-2.8 ms compiled for AVX-512, but for AVX2 (two ymm a vector) fp32 2.2 against 2.0 at 16.
+# 2.7-2.8 ms compiled for AVX-512, but for AVX2 (two ymm a vector) fp32 2.2 against 2.0 at 16
+# (emulated on Zen 4). On a real 2-core Zen 1 (AVX2, float32 served) the dequantized GEMM's
+# at::mm (MKL) is slow at few rows: SmolLM2's decode step took 292-326 / 467-530 ms at batch
+# 32 / 64 past 16 or 32 rows against 204 / 398 ms with the float GEMV up to 64 rows.
 # bf16 with AVX512-BF16 ("bf16_gemm": int8-activation GEMV against blocks dequantized into the
 # bf16 GEMM's tiles), 2 threads, Zen 4, the 120 matrices cold: 17.8 / 22.3 / 46.3 ms against
 # 22.2 / 27.3 / 42.4 at 24 / 32 / 64 rows (the tiles' dequantization costs ~11 ms a pass).
-INT4_GEMV_MAX_ROWS = {"amx": 5, "bf16_gemm": 48, torch.bfloat16: 64, torch.float16: 16, torch.float32: 16}
+INT4_GEMV_MAX_ROWS = {"amx": 5, "bf16_gemm": 48, torch.bfloat16: 64, torch.float16: 16, torch.float32: 64}
 # Rows up to which the packed int4 kernel beats unpack + dense GEMM, measured at SmolLM2's
 # shapes ([1536, 576] and [576, 1536], 2 threads, AVX-512 and AVX2 dispatch alike): bf16 int4
 # takes 0.66 ms at 128 rows against 0.6 ms to unpack + 0.3 dense; fp32 and fp16 int4 are
@@ -173,8 +179,8 @@ class QuantLinear(nn.Module):
             self.amx = dtype == torch.bfloat16 and self.native.int4_amx_available()
             self.bf16_gemm = dtype == torch.bfloat16 and not self.amx and self.native.bf16_mm_available()
             self.gemv_max_rows = INT4_GEMV_MAX_ROWS["amx" if self.amx else "bf16_gemm" if self.bf16_gemm else dtype]
-            # float32 stays exact; bf16 / fp16 activations are themselves rounded
-            int8x = dtype != torch.float32 and self.native.int4_int8x_available()
+            # An asked-for float32 stays exact; bf16 / fp16 activations are themselves rounded
+            int8x = kernel_dtype != torch.float32 and self.native.int4_int8x_available()
             self.gemv = self.native.int4_gemv_int8x if int8x else self.native.int4_gemv
             return True
         q = q.to(torch.int32)
