@@ -130,7 +130,8 @@ class QuantLinear(nn.Module):
     reduce: the group over which y is summed (row-parallel, world size > 1).
     kernel_dtype: the activations' dtype inside torch's CPU kernels (None: dtype;
     bfloat16 with float32 dtype trades exactness for speed, see above); our int4
-    kernels take x in dtype whatever it says.
+    kernels take x in dtype whatever it says, but their GEMV rounds x to int8
+    unless kernel_dtype is float32 (where the CPU can: int4_int8x_available).
     `kernel` names the layout chosen ("int4" | "int8" | "triton" | "dequant"); an
     int4 layer's `native` is our kernels' op namespace, or None on torch's."""
 
