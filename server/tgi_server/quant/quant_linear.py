@@ -18,8 +18,10 @@ On CPU, chosen once at load:
   With AVX512-VNNI and -VBMI, ~2x the float GEMV's speed where it is compute
   bound (8 rows and more), ~15% at one row, where it reads memory; with AVX2
   (a 2-core Zen 1), 1.5-2.2x at one row and 1.3-1.9x at 8 to 64 rows, taking
-  SmolLM2's 120 int4 matrices at one row from 16 to 8.2 ms. --dtype float32
-  keeps the float GEMV, exact to float32 rounding.
+  SmolLM2's 120 int4 matrices at one row from 16 to 8.2 ms. In a float32
+  model it also takes prefill, up to 1024 rows ("int8x" below), where it
+  beats the dequantized GEMM. --dtype float32 keeps the float GEMV, exact to
+  float32 rounding.
   Elsewhere torch's packed int4 GEMM (`_weight_int4pack_mm_for_cpu`, groups
   of 32/64/128/256, N % 16 == 0).
   It computes w = (q - 8) * scale + zero, so zero = offset + 8 * scale.
@@ -68,7 +70,12 @@ LANES, LANE_GROUP = 16, 32
 # bf16 with AVX512-BF16 ("bf16_gemm": int8-activation GEMV against blocks dequantized into the
 # bf16 GEMM's tiles), 2 threads, Zen 4, the 120 matrices cold: 17.8 / 22.3 / 46.3 ms against
 # 22.2 / 27.3 / 42.4 at 24 / 32 / 64 rows (the tiles' dequantization costs ~11 ms a pass).
-INT4_GEMV_MAX_ROWS = {"amx": 5, "bf16_gemm": 48, torch.bfloat16: 64, torch.float16: 16, torch.float32: 64}
+# A float32 layer's int8-activation GEMV ("int8x") keeps up with the dequantized GEMM far
+# longer: on a 2-core Zen 3 (AVX2, vpmaddubsw) SmolLM2's [1536, 576] / [576, 1536] / [3072, 576]
+# took 2.1 / 2.3 / 4.7 ms at 128 rows against 3.8 / 3.0 / 9.3 dequantized (MKL), 8.6 / 9.0 /
+# 12.9 against 10.9 / 8.9 / 20.6 at 512, 66 against 81 ms summed at 1024, even at 2048.
+INT4_GEMV_MAX_ROWS = {"amx": 5, "bf16_gemm": 48, "int8x": 1024, torch.bfloat16: 64, torch.float16: 16,
+                      torch.float32: 64}
 # Rows up to which the packed int4 kernel beats unpack + dense GEMM, measured at SmolLM2's
 # shapes ([1536, 576] and [576, 1536], 2 threads, AVX-512 and AVX2 dispatch alike): bf16 int4
 # takes 0.66 ms at 128 rows against 0.6 ms to unpack + 0.3 dense; fp32 and fp16 int4 are
@@ -179,10 +186,12 @@ class QuantLinear(nn.Module):
             self.packed, self.scale_offset = _frozen(packed), _frozen(scale_offset)
             self.amx = dtype == torch.bfloat16 and self.native.int4_amx_available()
             self.bf16_gemm = dtype == torch.bfloat16 and not self.amx and self.native.bf16_mm_available()
-            self.gemv_max_rows = INT4_GEMV_MAX_ROWS["amx" if self.amx else "bf16_gemm" if self.bf16_gemm else dtype]
             # An asked-for float32 stays exact; bf16 / fp16 activations are themselves rounded
             int8x = kernel_dtype != torch.float32 and self.native.int4_int8x_available()
             self.gemv = self.native.int4_gemv_int8x if int8x else self.native.int4_gemv
+            path = ("amx" if self.amx else "bf16_gemm" if self.bf16_gemm
+                    else "int8x" if int8x and dtype == torch.float32 else dtype)
+            self.gemv_max_rows = INT4_GEMV_MAX_ROWS[path]
             return True
         q = q.to(torch.int32)
         # Groups longer than the kernel's repeat their scale: [N, G] -> [N, K / size].
