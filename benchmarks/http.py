@@ -75,24 +75,27 @@ async def load(url: str, prompts: list[str], concurrency: int) -> dict:
             "errors": sum(r["error"] is not None for r in results)}
 
 
-def _launch(port: int, tmp: str, extra_args: tuple[str, ...] = (), log=subprocess.DEVNULL) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS=str(engine_bench.THREADS))
+def _launch(port: int, tmp: str, extra_args: tuple[str, ...], log, threads: int,
+            env: dict[str, str] | None) -> subprocess.Popen:
+    env = dict(os.environ if env is None else env, OMP_NUM_THREADS=str(threads))
     return subprocess.Popen(
         [sys.executable, "-m", "tgi_router.launcher", "--port", str(port), "--hostname", "127.0.0.1",
-         "--shard-uds-path", f"{tmp}/shard", "--num-threads", str(engine_bench.THREADS),
+         "--shard-uds-path", f"{tmp}/shard", "--num-threads", str(threads),
          "--kv-cache-bytes", str(1 << 30), "--max-concurrent-requests", "256", *extra_args],
         env=env, stdout=log, stderr=log)
 
 
 @contextlib.contextmanager
-def launched(tmp: str, extra_args: tuple[str, ...] = (), log=subprocess.DEVNULL):
+def launched(tmp: str, extra_args: tuple[str, ...] = (), log=subprocess.DEVNULL,
+             threads: int = engine_bench.THREADS, env: dict[str, str] | None = None):
     """The real launcher on a free port, its shard sockets in `tmp` (more
-    launcher flags in `extra_args`, its output to `log`); yields (its URL, its
-    process: the router runs in it, the shards in its children) once healthy,
-    stops it on exit."""
+    launcher flags in `extra_args`, its output to `log`, `threads` torch
+    threads a shard, `env` instead of this process's environment); yields
+    (its URL, its process: the router runs in it, the shards in its children)
+    once healthy, stops it on exit."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = _launch(port, tmp, extra_args, log)
+    proc = _launch(port, tmp, extra_args, log, threads, env)
     try:
         _wait_healthy(url, proc)
         yield url, proc
