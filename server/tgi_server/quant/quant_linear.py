@@ -73,7 +73,7 @@ LANES, LANE_GROUP = 16, 32
 # A float32 layer's int8-activation GEMV ("int8x") keeps up with the dequantized GEMM far
 # longer: on a 2-core Zen 3 (AVX2, vpmaddubsw) SmolLM2's [1536, 576] / [576, 1536] / [3072, 576]
 # took 2.1 / 2.3 / 4.7 ms at 128 rows against 3.8 / 3.0 / 9.3 dequantized (MKL), 8.6 / 9.0 /
-# 12.9 against 10.9 / 8.9 / 20.6 at 512, 66 against 81 ms summed at 1024, even at 2048.
+# 12.9 against 10.9 / 8.9 / 20.6 at 512, 66 against 81 ms summed at 1024, about even at 2048.
 INT4_GEMV_MAX_ROWS = {"amx": 5, "bf16_gemm": 48, "int8x": 1024, torch.bfloat16: 64, torch.float16: 16,
                       torch.float32: 64}
 # Rows up to which the packed int4 kernel beats unpack + dense GEMM, measured at SmolLM2's
