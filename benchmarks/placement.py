@@ -28,12 +28,11 @@ NEW_TOKENS = 64
 CONTENDED_TOKENS = 32   # a collapsed setting answers ~2 tokens a second: keep its load short
 # name -> (threads, the shard's environment on top of ours; None removes a variable)
 SETTINGS = {
-    "ours": (engine_bench.THREADS, {}),  # what the launcher does by itself
+    "ours": (engine_bench.THREADS, {}),  # what the launcher does by itself: OMP_WAIT_POLICY=PASSIVE
     "spin": (engine_bench.THREADS, {"OMP_WAIT_POLICY": "ACTIVE"}),
     # libgomp's own default without OMP_WAIT_POLICY: spin 300,000 rounds, then sleep
     "libgomp_default": (engine_bench.THREADS, {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "300000"}),
     "spin_10k": (engine_bench.THREADS, {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "10000"}),
-    "passive": (engine_bench.THREADS, {"OMP_WAIT_POLICY": "PASSIVE"}),
     "one_thread": (1, {}),
 }
 SELECTED = [s for s in os.environ.get("PLACEMENT_SETTINGS", ",".join(SETTINGS)).split(",") if s in SETTINGS]
