@@ -10,7 +10,8 @@ float32 GEMMs back to back, what a second shard or a build on the same
 machine looks like to ours. A shard whose OpenMP threads spin-wait at every
 barrier collapses then (each of its ~300 parallel regions a step waits for
 the one thread that lost its core); one whose threads sleep degrades in
-proportion to the CPU it gets. Keys: placement_<setting>_c1_tok_s,
+proportion to the CPU it gets; ours fits its thread count to the cores the
+competitor leaves (server/tgi_server/thread_governor.py). Keys: placement_<setting>_c1_tok_s,
 ..._c32_tok_s, ..._c1_contended_tok_s and ..._c1_contended_share (the
 contended c=1 over the quiet one: 0.5 is an even share of two cores)."""
 
@@ -28,11 +29,11 @@ NEW_TOKENS = 64
 CONTENDED_TOKENS = 32   # a collapsed setting answers ~2 tokens a second: keep its load short
 # name -> (threads, the shard's environment on top of ours; None removes a variable)
 SETTINGS = {
-    "ours": (engine_bench.THREADS, {}),  # what the launcher does by itself: OMP_WAIT_POLICY=PASSIVE
-    "spin": (engine_bench.THREADS, {"OMP_WAIT_POLICY": "ACTIVE"}),
-    # libgomp's own default without OMP_WAIT_POLICY: spin 300,000 rounds, then sleep
-    "libgomp_default": (engine_bench.THREADS, {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "300000"}),
-    "spin_10k": (engine_bench.THREADS, {"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "10000"}),
+    # what the launcher does by itself: libgomp's spinning waits, threads fitted to the free cores
+    "ours": (engine_bench.THREADS, {}),
+    # the same threads held fixed: libgomp's default spins 300,000 rounds, then sleeps
+    "fixed_spinning": (engine_bench.THREADS, {"TGI_THREAD_GOVERNOR": "0"}),
+    "fixed_sleeping": (engine_bench.THREADS, {"TGI_THREAD_GOVERNOR": "0", "OMP_WAIT_POLICY": "PASSIVE"}),
     "one_thread": (1, {}),
 }
 SELECTED = [s for s in os.environ.get("PLACEMENT_SETTINGS", ",".join(SETTINGS)).split(",") if s in SETTINGS]

@@ -97,7 +97,6 @@ def main(argv: list[str] | None = None) -> None:
         return
     _setup_logging(args.json_output)
     config = config_from_args(args)
-    _sleeping_omp_threads()
     from .distributed import TensorParallelError
     from .shard import load_shard, run_shard
     from .weights.errors import CheckpointError
@@ -112,22 +111,6 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         pass
     _exit(0)
-
-
-def _sleeping_omp_threads() -> None:
-    """Unless the environment chooses, torch's OpenMP threads sleep when they
-    wait (OMP_WAIT_POLICY=PASSIVE); libgomp's default spins first. Set here,
-    before torch loads libgomp, which reads it once. A decode step holds ~300
-    parallel regions, each waiting for every thread: with another process
-    busy on the same cores a spinning thread spends the share of CPU that the
-    one it waits for needed. On a 2-core Zen 3 beside a 2-thread GEMM loop
-    (`make bench BENCH=placement`) the default model's c=1 stream kept 24% of
-    its quiet speed with libgomp's default (22% spinning 10,000 rounds) and
-    60% with sleeping threads; on a quiet host sleeping costs ~3 ms a step
-    in wake-ups (ITL 10.7 -> 13.4 ms): OMP_WAIT_POLICY=ACTIVE, or
-    GOMP_SPINCOUNT, gives it back on a machine of one's own."""
-    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
 def _exit(code: int) -> NoReturn:

@@ -18,6 +18,7 @@ from .model_loader import DTYPES, default_dtype, default_quant_kernel_dtype, loa
 from .model_runner import ModelRunner
 from .quant import kernel_counts
 from .service import serve
+from .thread_governor import ThreadGovernor
 from .weights.resolve import resolve_model
 from .weights.tokenizer_export import export_tokenizer
 
@@ -87,6 +88,10 @@ async def run_shard(runner: ModelRunner, info: pb.InfoResponse, socket_path: str
     if os.path.exists(socket_path):
         os.unlink(socket_path)
     task = asyncio.ensure_future(serve(runner, info, socket_path))
+    # On the CPU the OpenMP threads follow the cores other processes leave
+    # free (thread_governor.py); TGI_THREAD_GOVERNOR=0 keeps them fixed.
+    governor = (asyncio.ensure_future(ThreadGovernor(torch.get_num_threads()).run())
+                if runner.device.type == "cpu" and os.environ.get("TGI_THREAD_GOVERNOR", "1") != "0" else None)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, task.cancel)
@@ -95,6 +100,8 @@ async def run_shard(runner: ModelRunner, info: pb.InfoResponse, socket_path: str
     except asyncio.CancelledError:
         log.info("shard %d stopping", info.rank)
     finally:
+        if governor is not None:
+            governor.cancel()
         with contextlib.suppress(FileNotFoundError):  # grpc may have removed it
             os.unlink(socket_path)
         runner.tp.close()

@@ -106,17 +106,3 @@ def test_default_model_serves_over_a_unix_socket(tmp_path):
         proc.terminate()
         assert proc.wait(30) == 0
     assert not os.path.exists(uds + "-0")
-
-
-@pytest.mark.parametrize("set_by_user", [{}, {"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "300000"}])
-def test_shard_openmp_threads_sleep_unless_the_environment_chooses(set_by_user, monkeypatch):
-    """The shard asks libgomp for sleeping waits (before torch loads it) only
-    where neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT was given."""
-    from tgi_server import cli
-
-    for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
-        monkeypatch.delenv(key, raising=False)
-    for key, value in set_by_user.items():
-        monkeypatch.setenv(key, value)
-    cli._sleeping_omp_threads()
-    assert os.environ.get("OMP_WAIT_POLICY") == ("PASSIVE" if not set_by_user else set_by_user.get("OMP_WAIT_POLICY"))
