@@ -17,7 +17,6 @@ concurrent shards of one group wait on a file lock for one build.
 from __future__ import annotations
 
 import fcntl
-import functools
 import hashlib
 import logging
 import os
@@ -120,9 +119,22 @@ def build(root: Path | None = None) -> Path:
     return target
 
 
-@functools.cache
+_UNLOADED = object()
+_ops = _UNLOADED
+
+
 def native_ops():
-    """torch.ops.tgi with our CPU kernels, or None (logged once) where they cannot be built."""
+    """torch.ops.tgi with our CPU kernels, or None (logged once) where they
+    cannot be built. Loaded at the first call; later calls read a global,
+    which torch.compile traces as a constant (a cached function's body it
+    would trace, file checks and all)."""
+    global _ops
+    if _ops is _UNLOADED:
+        _ops = _load()
+    return _ops
+
+
+def _load():
     if sys.platform != "linux":
         log.info("C++ CPU kernels off: built on Linux only; plain torch kernels instead")
         return None

@@ -201,3 +201,16 @@ def test_torch_compile_traces_the_ops_by_their_fakes():
     torch._dynamo.reset()
     got = torch.compile(block, fullgraph=True, dynamic=False)(x, compiled_residual, weight, gate_up)
     assert torch.equal(got, want) and torch.equal(compiled_residual, eager_residual)
+
+
+@needs_ops
+def test_layers_can_look_the_ops_up_inside_a_compiled_graph():
+    # Layers call native_ops() at every forward: dynamo must read it as a
+    # constant (a functools.cache'd loader was traced into, file checks and
+    # all, breaking the graph at every layer).
+    from tgi_kernels.native import native_ops
+
+    x = torch.randn(3, 64)
+    torch._dynamo.reset()
+    got = torch.compile(lambda t: native_ops().silu_mul(t), fullgraph=True, backend="aot_eager")(x)
+    assert torch.equal(got, ops.silu_mul(x))
