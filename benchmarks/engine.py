@@ -1,4 +1,4 @@
-"""Engine benchmark: the shard over gRPC against transformers `generate`.
+"""Engine benchmark: the shard over its socket against transformers `generate`.
 
 SmolLM2-135M-Instruct (its GGUF file, as the server's default) on 2
 threads, in the dtype the shard chooses on this CPU (bf16 where the CPU

@@ -1,7 +1,7 @@
 """HTTP load benchmark: N streaming requests at concurrency C against the
 real launcher (SmolLM2, 2 threads, started without --dtype: the dtype the
 shard chooses on this CPU), with the transformers one-at-a-time baseline
-(in that dtype) and the engine's own batch-1 speed (shard over gRPC, no
+(in that dtype) and the engine's own batch-1 speed (shard over its socket, no
 router) measured in the same run."""
 
 import asyncio
@@ -149,7 +149,7 @@ def run() -> dict:
           f"{engine_bench.PROMPT_TOKENS} tokens, {engine_bench.NEW_TOKENS} new tokens, /generate_stream")
     print(f"{'':<26}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'errors':>8}")
     print(f"{'transformers, sequential':<26}{hf_b1:>8.1f}")
-    print(f"{'engine over gRPC, b1':<26}{engine_b1:>8.1f}")
+    print(f"{'engine, shard socket, b1':<26}{engine_b1:>8.1f}")
     for c, r in results.items():
         print(f"{'http, concurrency ' + str(c):<26}{r['tok_s']:>8.1f}{r['ttft_p50_ms']:>10.0f}{r['ttft_p99_ms']:>10.0f}"
               f"{r['itl_p50_ms']:>9.1f}{r['itl_p99_ms']:>9.1f}{r['errors']:>8}")
@@ -162,7 +162,7 @@ def run() -> dict:
 
 
 async def _engine_b1(socket_path: str, prompts: list[list[int]]) -> float:
-    """End-to-end tokens/s of one request at a time straight over gRPC."""
+    """End-to-end tokens/s of one request at a time straight over the shard socket."""
     from tgi_router.client import ShardClient
 
     client = ShardClient([socket_path], timeout=600)

@@ -4,7 +4,7 @@ GPTQ 4-bit, AWQ 4-bit and GGUF Q4_1, all in this process on 2 threads.
 Each variant is loaded by the shard's own loader as the shard loads it
 without --dtype on this CPU (machine.serving_dtype: bf16 where the CPU has
 it natively, else float32 with the quantized kernels fed bf16) and driven
-through ModelRunner.step, the call behind the gRPC Step: BATCH prompts of
+through ModelRunner.step, the call behind a Step: BATCH prompts of
 PROMPT_TOKENS tokens are prefilled, then DECODE_STEPS greedy decode steps
 are timed. Reported per variant: weight bytes held and decode tokens/s at
 batch 1 and 32 (best of REPEATS interleaved rounds: the machine is shared).

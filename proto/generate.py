@@ -1,12 +1,9 @@
-"""Regenerates the gRPC code in proto/tgi_proto/ from proto/generate.proto.
+"""Regenerates the message code in proto/tgi_proto/ from proto/generate.proto
+(protoc from grpc_tools; the service is carried by tgi_proto/rpc.py).
 
 Usage: python proto/generate.py [OUT_DIR]   (default: proto/tgi_proto)
-
-grpc_tools writes `import generate_pb2` in the service module; the import is
-rewritten to a relative one so the code lives inside the `tgi_proto` package.
 """
 
-import re
 import sys
 from pathlib import Path
 
@@ -21,15 +18,10 @@ def generate(out_dir: Path) -> None:
         "grpc_tools.protoc",
         f"-I{PROTO_DIR}",
         f"--python_out={out_dir}",
-        f"--grpc_python_out={out_dir}",
         str(PROTO_DIR / "generate.proto"),
     ])
     if code != 0:
         raise SystemExit(f"protoc failed with exit code {code}")
-    service = out_dir / "generate_pb2_grpc.py"
-    text = re.sub(r"^import generate_pb2 as", "from . import generate_pb2 as",
-                  service.read_text(), flags=re.M)
-    service.write_text(text)
 
 
 if __name__ == "__main__":

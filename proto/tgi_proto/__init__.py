@@ -1,6 +1,6 @@
-"""Generated router <-> shard contract (see proto/generate.proto)."""
+"""Generated router <-> shard messages (see proto/generate.proto) and their
+transport (rpc.py)."""
 
 from . import generate_pb2 as pb
-from . import generate_pb2_grpc as pb_grpc
 
-__all__ = ["pb", "pb_grpc"]
+__all__ = ["pb"]

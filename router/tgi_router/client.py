@@ -1,22 +1,17 @@
-"""The router's side of the gRPC contract: one channel per shard, every call
-sent to all shards at once, rank 0's answer returned. Imports no torch."""
+"""The router's side of the shard contract (tgi_proto.rpc over unix
+sockets): one channel per shard, every call sent to all shards at once,
+rank 0's answer returned. Imports no torch."""
 
 import asyncio
 
-import grpc
-
-from tgi_proto import pb, pb_grpc
-
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", 256 << 20),
-    ("grpc.max_send_message_length", 256 << 20),
-]
+from tgi_proto import pb
+from tgi_proto.rpc import Channel, RpcError, StatusCode
 
 
 class ShardError(RuntimeError):
-    """A shard failed a call; `code` is the gRPC status code."""
+    """A shard failed a call; `code` is its status (gRPC's codes)."""
 
-    def __init__(self, rank: int, code: grpc.StatusCode, details: str):
+    def __init__(self, rank: int, code: StatusCode, details: str):
         super().__init__(f"shard {rank}: {code.name}: {details}")
         self.rank, self.code, self.details = rank, code, details
 
@@ -28,8 +23,7 @@ class ShardClient:
     call with DEADLINE_EXCEEDED instead of stalling the router forever)."""
 
     def __init__(self, socket_paths: list[str], timeout: float | None = None, step_timeout: float | None = None):
-        self._channels = [grpc.aio.insecure_channel(f"unix://{p}", options=GRPC_OPTIONS) for p in socket_paths]
-        self._stubs = [pb_grpc.TextGenerationServiceStub(c) for c in self._channels]
+        self._channels = [Channel(p) for p in socket_paths]
         self.timeout = timeout
         self.step_timeout = step_timeout
 
@@ -40,18 +34,24 @@ class ShardClient:
 
     async def _all(self, method: str, request, timeout: float | None = None):
         """Calls every shard; raises the first failure as ShardError."""
-        calls = [getattr(stub, method)(request, timeout=timeout or self.timeout) for stub in self._stubs]
+        calls = [c.call(method, request, timeout or self.timeout) for c in self._channels]
         results = await asyncio.gather(*calls, return_exceptions=True)
         for rank, result in enumerate(results):
-            if isinstance(result, grpc.aio.AioRpcError):
-                raise ShardError(rank, result.code(), result.details() or "")
+            if isinstance(result, RpcError):
+                raise ShardError(rank, result.code, result.details)
             if isinstance(result, BaseException):
                 raise result
         return results[0]
 
     async def wait_ready(self, timeout: float) -> None:
         """Waits until every shard's socket accepts connections."""
-        await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in self._channels)), timeout)
+        async def connected(channel: Channel) -> None:
+            while True:
+                try:
+                    return await channel.connect()
+                except RpcError:
+                    await asyncio.sleep(0.05)
+        await asyncio.wait_for(asyncio.gather(*(connected(c) for c in self._channels)), timeout)
 
     async def info(self) -> pb.InfoResponse:
         return await self._all("Info", pb.InfoRequest())

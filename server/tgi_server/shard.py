@@ -102,6 +102,6 @@ async def run_shard(runner: ModelRunner, info: pb.InfoResponse, socket_path: str
     finally:
         if governor is not None:
             governor.cancel()
-        with contextlib.suppress(FileNotFoundError):  # grpc may have removed it
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(socket_path)
         runner.tp.close()

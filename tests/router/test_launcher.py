@@ -12,10 +12,10 @@ import sys
 import time
 from types import SimpleNamespace
 
-import grpc
 import pytest
 
-from tgi_proto import pb, pb_grpc
+from tgi_proto import pb
+from tgi_proto.rpc import RpcError, Server, StatusCode
 from tgi_router import launcher
 from tgi_router.config import ConfigError, RouterConfig, parse_args
 from tgi_router.shard_processes import shard_command, shard_env, wait_for_shards
@@ -259,17 +259,17 @@ def test_json_log_lines_are_shaped_like_tgis(capsys):
     assert entry["span"] == {"rank": 1, "name": "shard-manager"} and entry["timestamp"].endswith("Z")
 
 
-class _FakeShard(pb_grpc.TextGenerationServiceServicer):
+class _FakeShard:
     def __init__(self):
         self.health_calls = 0
 
-    async def Health(self, request, context):
+    async def Health(self, request):
         self.health_calls += 1
         if self.health_calls < 3:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "warming")
+            raise RpcError(StatusCode.UNAVAILABLE, "warming")
         return pb.HealthResponse()
 
-    async def Info(self, request, context):
+    async def Info(self, request):
         return pb.InfoResponse(model_id="fake", device="cpu", attention_backend="sdpa")
 
 
@@ -281,14 +281,12 @@ def test_wait_for_shards_polls_the_socket_then_health(tmp_path):
         waiting = asyncio.ensure_future(wait_for_shards(config))
         await asyncio.sleep(0.3)
         assert not waiting.done()  # no socket yet
-        server = grpc.aio.server()
-        pb_grpc.add_TextGenerationServiceServicer_to_server(servicer, server)
-        server.add_insecure_port(f"unix://{tmp_path / 's'}-0")
-        await server.start()
+        server = Server({"Health": servicer.Health, "Info": servicer.Info})
+        await server.start(f"{tmp_path / 's'}-0")
         try:
             return await asyncio.wait_for(waiting, 10)
         finally:
-            await server.stop(None)
+            await server.stop()
 
     info = asyncio.run(scenario())
     assert (info.model_id, info.attention_backend, servicer.health_calls) == ("fake", "sdpa", 3)

@@ -7,13 +7,13 @@ import json
 import logging
 import re
 
-import grpc
 import jsonschema
 import llguidance
 import pytest
 from tokenizers import Tokenizer
 
 from tgi_proto import pb
+from tgi_proto.rpc import StatusCode
 from tgi_router.client import ShardClient, ShardError
 from tgi_router.grammar import json_grammar
 from tgi_router.sequence import FinishReason
@@ -191,7 +191,7 @@ def test_invalid_grammar_over_grpc_is_invalid_argument(shard):
             await client.close()
 
     err = asyncio.run(go())
-    assert err.code is grpc.StatusCode.INVALID_ARGUMENT and "does not compile" in err.details
+    assert err.code is StatusCode.INVALID_ARGUMENT and "does not compile" in err.details
 
 
 def test_shard_without_tokenizer_refuses_grammars(tmp_path):

@@ -3,12 +3,12 @@ clear statuses for bad calls."""
 
 import asyncio
 
-import grpc
 import torch
 import pytest
 
 from tgi_kernels import select_backend
 from tgi_proto import pb
+from tgi_proto.rpc import StatusCode
 from tgi_router.client import ShardClient, ShardError
 
 from ..shard_harness import InProcessShard, save_tiny_model
@@ -114,7 +114,7 @@ def test_bad_steps_are_invalid_argument(shard, request_, message):
     call(shard.socket, lambda c: c.warmup(128, 8))
     with pytest.raises(ShardError) as err:
         call(shard.socket, lambda c: c.step(request_))
-    assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details
+    assert err.value.code is StatusCode.INVALID_ARGUMENT and message in err.value.details
     call(shard.socket, lambda c: c.health())  # the shard keeps working
 
 
@@ -135,7 +135,7 @@ def test_health_fails_when_the_model_cannot_run(tmp_path):
         s.runner.model.norm.weight.data.fill_(float("nan"))
         with pytest.raises(ShardError) as err:
             call(s.socket, lambda c: c.health())
-    assert err.value.code is grpc.StatusCode.UNAVAILABLE
+    assert err.value.code is StatusCode.UNAVAILABLE
 
 
 def test_step_before_warmup_is_failed_precondition(tmp_path):
@@ -143,4 +143,4 @@ def test_step_before_warmup_is_failed_precondition(tmp_path):
     with InProcessShard(tmp_path, str(path)) as s:
         with pytest.raises(ShardError) as err:
             call(s.socket, lambda c: c.step(pb.StepRequest(new_sequences=[new_seq(1, [1, 2], [0])])))
-    assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.code is StatusCode.FAILED_PRECONDITION

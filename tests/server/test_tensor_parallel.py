@@ -9,12 +9,12 @@ import subprocess
 import sys
 import time
 
-import grpc
 import llguidance
 import pytest
 import torch
 
 from tgi_proto import pb
+from tgi_proto.rpc import StatusCode
 from tgi_router.client import ShardClient, ShardError
 from tgi_server.distributed import TensorParallel
 from tgi_server.layers.attention import HeadShard
@@ -167,7 +167,7 @@ def test_a_grammar_rank_0_rejects_fails_the_step_on_every_rank_and_the_group_goe
             parameters=greedy(grammar=grammar))])
     with pytest.raises(ShardError) as err:
         call(shards.sockets, lambda c: c.step(step("not a grammar {")))
-    assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT and "does not compile" in err.value.details
+    assert err.value.code is StatusCode.INVALID_ARGUMENT and "does not compile" in err.value.details
     # Had rank 1 gone on to the forward alone, the ranks' collectives would now be
     # out of step, and sequence 1 would be live on rank 1 only.
     assert call(shards.sockets, lambda c: c.step(step(REGEX_GRAMMAR))).generations[0].token_id == expected[0][0]
@@ -206,10 +206,10 @@ def test_a_dead_rank_fails_the_next_step_on_rank_0_at_once(tmp_path):
         with pytest.raises(ShardError) as err:
             call(shards.sockets[:1], lambda c: c.step(request))
         assert time.monotonic() - start < 10
-        assert err.value.code is grpc.StatusCode.INTERNAL
+        assert err.value.code is StatusCode.INTERNAL
         with pytest.raises(ShardError) as err:
             call(shards.sockets[:1], lambda c: c.health())
-        assert err.value.code is grpc.StatusCode.UNAVAILABLE
+        assert err.value.code is StatusCode.UNAVAILABLE
 
 
 def test_a_head_count_that_does_not_split_exits_1_with_one_line(tmp_path):
