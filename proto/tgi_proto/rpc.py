@@ -18,6 +18,7 @@ shard's OpenMP threads, so all of it came off the model's time. A frame
 here costs a read, a protobuf parse and a write."""
 
 import asyncio
+import contextlib
 import enum
 import logging
 import os
@@ -128,7 +129,8 @@ class Server:
             frame = _frame(call_id, StatusCode.INTERNAL, f"{type(err).__name__}: {err}".encode())
         if not writer.is_closing():
             writer.write(frame)
-            await writer.drain()
+            with contextlib.suppress(ConnectionError):  # the client left meanwhile
+                await writer.drain()
 
 
 class Channel:
