@@ -27,7 +27,7 @@ from .peers import make_prompts, measure
 
 NEW_TOKENS = 64
 CONTENDED_TOKENS = 32   # a collapsed setting answers ~2 tokens a second: keep its load short
-# name -> (threads, the shard's environment on top of ours; None removes a variable)
+# name -> (threads, variables added to the shard's environment)
 SETTINGS = {
     # what the launcher does by itself: libgomp's spinning waits, threads fitted to the free cores
     "ours": (engine_bench.THREADS, {}),
@@ -41,16 +41,6 @@ COMPETITOR = ("import torch\n"
               "a = torch.randn(512, 512)\n"
               "while True:\n"
               "    a @ a\n")
-
-
-def _env(changes: dict[str, str | None]) -> dict[str, str]:
-    env = dict(os.environ)
-    for key, value in changes.items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
-    return env
 
 
 def _competitor() -> subprocess.Popen:
@@ -89,7 +79,7 @@ def run() -> dict:
           f"{'contended c=1':>15}{'ITL p50':>9}{'share':>7}")
     for name in SELECTED:
         threads, changes = SETTINGS[name]
-        r = measure_setting(threads, _env(changes), prompts)
+        r = measure_setting(threads, {**os.environ, **changes}, prompts)
         quiet, busy = r["c1"], r["c1_contended"]
         share = busy["tok_s"] / quiet["tok_s"] if quiet["tok_s"] else None
         print(f"{name:<18}{threads:>8}{quiet['tok_s']:>11.1f}{quiet['itl_p50_ms']:>9.1f}{r['c32']['tok_s']:>12.1f}"

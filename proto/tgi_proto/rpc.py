@@ -32,11 +32,12 @@ from . import generate_pb2 as pb
 log = logging.getLogger("tgi_proto")
 
 _HEADER = struct.Struct("<IIB")   # size of the rest, call id, method or status
+_AFTER_SIZE = _HEADER.size - 4     # header bytes that the size field counts
 MAX_MESSAGE = 256 << 20
 # method byte -> (name, request type, answer type): generate.proto's service, in its order
 METHODS = tuple((m.name, getattr(pb, m.input_type.name), getattr(pb, m.output_type.name))
                 for m in pb.DESCRIPTOR.services_by_name["TextGenerationService"].methods)
-_METHOD_IDS = {name: i for i, (name, _, _) in enumerate(METHODS)}
+_METHOD_IDS = {name: (i, answer) for i, (name, _, answer) in enumerate(METHODS)}
 
 
 class StatusCode(enum.IntEnum):
@@ -62,15 +63,15 @@ class RpcError(Exception):
 
 
 def _frame(call_id: int, kind: int, payload: bytes) -> bytes:
-    return _HEADER.pack(_HEADER.size - 4 + len(payload), call_id, kind) + payload
+    return _HEADER.pack(_AFTER_SIZE + len(payload), call_id, kind) + payload
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, int, bytes]:
     """(call id, method or status, payload); IncompleteReadError at EOF."""
     size, call_id, kind = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-    if size < _HEADER.size - 4 or size - (_HEADER.size - 4) > MAX_MESSAGE:
+    if not _AFTER_SIZE <= size <= _AFTER_SIZE + MAX_MESSAGE:
         raise ConnectionError(f"frame of {size} bytes")
-    return call_id, kind, await reader.readexactly(size - (_HEADER.size - 4))
+    return call_id, kind, await reader.readexactly(size - _AFTER_SIZE)
 
 
 Handler = Callable[[Message], Awaitable[Message]]
@@ -145,12 +146,10 @@ class Channel:
         self._reading: asyncio.Task | None = None
         self._pending: dict[int, asyncio.Future] = {}
         self._next_id = 0
-        self._connecting: asyncio.Lock | None = None
+        self._connecting = asyncio.Lock()
 
     async def connect(self) -> asyncio.StreamWriter:
         """Opens the connection unless open; RpcError UNAVAILABLE if it cannot."""
-        if self._connecting is None:
-            self._connecting = asyncio.Lock()
         async with self._connecting:
             if self._writer is None:
                 try:
@@ -181,12 +180,13 @@ class Channel:
                     future.set_exception(RpcError(StatusCode.UNAVAILABLE, "the shard closed the connection"))
 
     async def call(self, method: str, request: Message, timeout: float | None = None) -> Message:
+        method_id, answer_type = _METHOD_IDS[method]
         writer = await self.connect()
         self._next_id = (self._next_id + 1) & 0xFFFFFFFF
         call_id = self._next_id
         future = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
-        writer.write(_frame(call_id, _METHOD_IDS[method], request.SerializeToString()))
+        writer.write(_frame(call_id, method_id, request.SerializeToString()))
         try:
             status, payload = await (future if timeout is None else asyncio.wait_for(future, timeout))
         except TimeoutError:
@@ -194,9 +194,12 @@ class Channel:
         finally:
             self._pending.pop(call_id, None)
         if status != StatusCode.OK:
-            raise RpcError(StatusCode(status) if status in StatusCode._value2member_map_ else StatusCode.UNKNOWN,
-                           payload.decode(errors="replace"))
-        return METHODS[_METHOD_IDS[method]][2].FromString(payload)
+            try:
+                code = StatusCode(status)
+            except ValueError:
+                code = StatusCode.UNKNOWN
+            raise RpcError(code, payload.decode(errors="replace"))
+        return answer_type.FromString(payload)
 
     async def close(self) -> None:
         if self._reading is not None:

@@ -2,6 +2,7 @@
 statuses carried, failures of the other side seen as statuses, never hangs."""
 
 import asyncio
+import contextlib
 import struct
 
 import pytest
@@ -15,6 +16,19 @@ def serve(path, **handlers):
     return server, server.start(str(path))
 
 
+@contextlib.asynccontextmanager
+async def served(path, **handlers):
+    """A channel to a server of `handlers` on `path`, both closed after."""
+    server, starting = serve(path, **handlers)
+    await starting
+    channel = Channel(str(path))
+    try:
+        yield channel
+    finally:
+        await channel.close()
+        await server.stop()
+
+
 def test_calls_on_one_connection_are_answered_in_any_order(tmp_path):
     async def scenario():
         release = asyncio.Event()
@@ -26,10 +40,7 @@ def test_calls_on_one_connection_are_answered_in_any_order(tmp_path):
         async def health(request):
             return pb.HealthResponse()
 
-        server, starting = serve(tmp_path / "s", Step=step, Health=health)
-        await starting
-        channel = Channel(str(tmp_path / "s"))
-        try:
+        async with served(tmp_path / "s", Step=step, Health=health) as channel:
             slow = asyncio.ensure_future(channel.call("Step", pb.StepRequest(step_id=7)))
             await channel.call("Health", pb.HealthRequest())  # answered while the step waits
             assert not slow.done()
@@ -37,9 +48,6 @@ def test_calls_on_one_connection_are_answered_in_any_order(tmp_path):
             assert (await slow).generations[0].id == 7
             answers = await asyncio.gather(*(channel.call("Step", pb.StepRequest(step_id=i)) for i in range(20)))
             assert [a.generations[0].id for a in answers] == list(range(20))
-        finally:
-            await channel.close()
-            await server.stop()
 
     asyncio.run(scenario())
 
@@ -55,10 +63,7 @@ def test_statuses_and_failures_reach_the_caller_and_the_server_goes_on(tmp_path)
         async def info(request):
             return pb.InfoResponse(model_id="m", tokenizer_json="x" * (5 << 20))
 
-        server, starting = serve(tmp_path / "s", Warmup=warmup, Release=release, Info=info)
-        await starting
-        channel = Channel(str(tmp_path / "s"))
-        try:
+        async with served(tmp_path / "s", Warmup=warmup, Release=release, Info=info) as channel:
             with pytest.raises(RpcError) as err:
                 await channel.call("Warmup", pb.WarmupRequest())
             assert (err.value.code, err.value.details) == (StatusCode.RESOURCE_EXHAUSTED, "out of memory: 5 GiB")
@@ -70,9 +75,6 @@ def test_statuses_and_failures_reach_the_caller_and_the_server_goes_on(tmp_path)
             assert err.value.code is StatusCode.UNKNOWN
             info = await channel.call("Info", pb.InfoRequest())  # 5 MiB, after all that
             assert info.model_id == "m" and len(info.tokenizer_json) == 5 << 20
-        finally:
-            await channel.close()
-            await server.stop()
 
     asyncio.run(scenario())
 
@@ -142,18 +144,12 @@ def test_a_call_past_its_timeout_is_deadline_exceeded_and_its_late_answer_is_dro
             await asyncio.sleep(0.3 if request.step_id == 1 else 0)
             return pb.StepResponse(generations=[pb.Generation(id=request.step_id)])
 
-        server, starting = serve(tmp_path / "s", Step=step)
-        await starting
-        channel = Channel(str(tmp_path / "s"))
-        try:
+        async with served(tmp_path / "s", Step=step) as channel:
             with pytest.raises(RpcError) as err:
                 await channel.call("Step", pb.StepRequest(step_id=1), timeout=0.05)
             assert err.value.code is StatusCode.DEADLINE_EXCEEDED
             await asyncio.sleep(0.4)  # the late answer arrives
             answer = await channel.call("Step", pb.StepRequest(step_id=2), timeout=5)
             assert answer.generations[0].id == 2
-        finally:
-            await channel.close()
-            await server.stop()
 
     asyncio.run(scenario())
