@@ -117,9 +117,11 @@ def test_each_rank_holds_a_world_size_share_of_the_weights(group):
     world_size = MODELS[name][1]
     for rank in range(world_size):
         held = int(re.search(r"\((\d+) bytes\)", shards.log(rank)).group(1))
-        # Norms, vocabulary padding and replicated kv heads (6% of the tiny
-        # "mqa" model) are the only excess.
-        assert reference.weight_bytes / world_size <= held <= 1.07 * reference.weight_bytes / world_size
+        # Norms, vocabulary padding, replicated kv heads (6% of the tiny
+        # "mqa" model) and the float32 GEMM's padding of a slice's output rows
+        # to a multiple of 16 (2% there; none where the slices are whole
+        # blocks, as in real models) are the only excess.
+        assert reference.weight_bytes / world_size <= held <= 1.09 * reference.weight_bytes / world_size
 
 
 def test_the_kv_cache_holds_only_the_rank_s_kv_heads(group):
@@ -252,12 +254,6 @@ def test_each_rank_keeps_the_kv_heads_its_query_heads_read(heads, kv_heads, worl
         assert read == set(range(s.kv_start, s.kv_start + s.num_kv_heads))
 
 
-def dense(linear) -> torch.Tensor:
-    """A dense Linear's weight [out, in], from oneDNN's prepacked layout where the
-    CPU keeps it only there (float32, and bf16 on some CPUs)."""
-    return linear.weight if linear.weight is not None else linear.packed.to_dense()
-
-
 def test_rank_slices_put_together_are_the_whole_checkpoint(tmp_path):
     """Loading needs no peer: build every rank's slice in this process."""
     path = save_tiny_model("qwen2", tmp_path / "m", num_attention_heads=8, num_key_value_heads=4)
@@ -270,15 +266,15 @@ def test_rank_slices_put_together_are_the_whole_checkpoint(tmp_path):
     whole, ranks = model(0, 1), [model(r, 2) for r in range(2)]
     attn = [m.layers[1].self_attn for m in (whole, *ranks)]
     # qkv rows per rank: its q heads, then its k heads, then its v heads (head_dim 8).
-    q, k, v = dense(whole.layers[1].self_attn.qkv).split([64, 32, 32])
+    q, k, v = whole.layers[1].self_attn.qkv.dense_weight().split([64, 32, 32])
     for rank, a in enumerate(attn[1:]):
         expected = torch.cat([q[32 * rank:32 * (rank + 1)], k[16 * rank:16 * (rank + 1)], v[16 * rank:16 * (rank + 1)]])
-        assert torch.equal(dense(a.qkv), expected) and a.qkv.bias.shape == (64,)
-    assert torch.equal(torch.cat([dense(a.o_proj) for a in attn[1:]], dim=1), dense(attn[0].o_proj))
+        assert torch.equal(a.qkv.dense_weight(), expected) and a.qkv.bias.shape == (64,)
+    assert torch.equal(torch.cat([a.o_proj.dense_weight() for a in attn[1:]], dim=1), attn[0].o_proj.dense_weight())
     assert attn[1].o_proj.reduce is not None and attn[0].o_proj.reduce is None
     assert torch.equal(torch.cat([m.embed_tokens.weight for m in ranks]), whole.embed_tokens.weight)
     mlp = [m.layers[0].mlp for m in ranks]
-    assert torch.equal(torch.cat([dense(m.down) for m in mlp], dim=1), dense(whole.layers[0].mlp.down))
+    assert torch.equal(torch.cat([m.down.dense_weight() for m in mlp], dim=1), whole.layers[0].mlp.down.dense_weight())
     assert sum(weight_bytes(m) for m in ranks) == pytest.approx(weight_bytes(whole), rel=0.01)
 
 
@@ -301,11 +297,11 @@ def test_the_vocabulary_split_pads_the_last_rank_with_zero_rows(tmp_path):
     path = save_tiny_model("llama", tmp_path / "m", vocab_size=250)
     source = resolve_model(str(path))
     config, weights = open_checkpoint(source, torch.float32, torch.device("cpu"))
-    whole = dense(load_model(config, weights, TensorParallel()).model.lm_head.proj)  # [250, 64]
+    whole = load_model(config, weights, TensorParallel()).model.lm_head.proj.dense_weight()  # [250, 64]
     heads = []
     for rank in range(4):
         config, weights = open_checkpoint(source, torch.float32, torch.device("cpu"))
-        heads.append(dense(load_model(config, weights, TensorParallel(rank, 4)).model.lm_head.proj))
+        heads.append(load_model(config, weights, TensorParallel(rank, 4)).model.lm_head.proj.dense_weight())
     assert [h.shape[0] for h in heads] == [63] * 4  # ceil(250 / 4)
     padded = torch.cat(heads)
     assert torch.equal(padded[:250], whole) and not padded[250:].any()

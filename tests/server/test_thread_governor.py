@@ -88,12 +88,19 @@ def test_the_ceiling_is_the_configured_count():
 
 def test_the_real_host_is_read():
     """/proc/stat and this process's CPU time: a busy child on this
-    process's cores counts as others' work, this process's own spin does not."""
+    process's cores counts as others' work, this process's own spin does
+    not. Against the host's own load over a quiet second first (a shared
+    machine may have another process busy throughout)."""
     g = ThreadGovernor(torch.get_num_threads(), set_threads=lambda n: None)
+    g.update()
+    time.sleep(1.0)
+    base = g.update()
+    if base > len(os.sched_getaffinity(0)) - 0.8:
+        pytest.skip(f"other processes keep {base:.1f} cores busy: no room for the child to show")
     child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(1.0)
-        assert g.update() > 0.6  # the child kept about a core busy
+        assert g.update() > base + 0.6  # the child kept about a core busy
     finally:
         child.kill()
         child.wait()
@@ -101,7 +108,7 @@ def test_the_real_host_is_read():
     deadline = time.perf_counter() + 1.0
     while time.perf_counter() < deadline:  # this process busy, nobody else
         pass
-    assert g.update() < 0.5
+    assert g.update() < base + 0.5
 
 
 def _logits(runner, prompt: list[int]) -> torch.Tensor:

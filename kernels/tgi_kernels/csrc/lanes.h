@@ -100,6 +100,17 @@ inline Lanes lanes(const c10::BFloat16* p) { return {bf16x8(p), bf16x8(p + 8)}; 
 inline Lanes lanes(const c10::Half* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)))};
 }
+inline void store(float* p, Lanes x, int64_t n) {
+  if (n == kLanes) {
+    _mm256_storeu_ps(p, x.a);
+    _mm256_storeu_ps(p + 8, x.b);
+    return;
+  }
+  alignas(32) float f[kLanes];
+  _mm256_store_ps(f, x.a);
+  _mm256_store_ps(f + 8, x.b);
+  std::memcpy(p, f, n * sizeof(float));
+}
 template <typename T>
 inline void store(T* p, Lanes x, int64_t n) {
   alignas(32) float f[kLanes];

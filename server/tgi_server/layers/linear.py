@@ -22,12 +22,9 @@ from ..weights.source import TensorSource
 
 # oneDNN repacks a plain bf16 weight into its blocked layout on every call;
 # packing once at load time made SmolLM2's linears 26% (batch 1) to 40%
-# (batch 64) faster on a 2-core AMX CPU. float32 weights went through MKL's
-# sgemm (F.linear), which at few rows reads the weight at 2-5 GB/s on a 2-core
-# Zen 1 (AVX2): oneDNN's prepacked float32 GEMM took SmolLM2's whole decode
-# step from 300 / 442 / 714 ms to 84 / 191 / 329 ms at batch 8 / 32 / 64, and a
-# 512-token prefill from 3.1 to 1.76 s. The hint is the batch it tunes for
-# (None, 8, 32 and 128 measured within noise of each other there).
+# (batch 64) faster on a 2-core AMX CPU. It is what serves a weight our own
+# GEMMs do not (csrc/f32_gemm.cpp, csrc/bf16_gemm.cpp). The hint is the batch
+# it tunes for (None, 8, 32 and 128 measured within noise of each other there).
 PACK_BATCH_HINT = 32
 
 
@@ -40,14 +37,36 @@ def pack_bf16_lanes(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(blocks, 16, k // 2, 2).transpose(1, 2).contiguous()
 
 
-def _bf16_gemm(weight: torch.Tensor):
-    """Our C++ ops where their bf16 GEMM serves this weight: a bf16 weight with
-    an even number of columns on a CPU with AVX512-BF16 but no AMX (where
-    oneDNN's tile kernels win); else None."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
+def pack_f32_lanes(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] float32 -> [ceil(N / 16), K, 16]: the layout of
+    csrc/f32_gemm.cpp, (b, k, j) = weight[16 b + j, k]; rows past N are zero."""
+    n, k = weight.shape
+    blocks = -(-n // 16)
+    return F.pad(weight, (0, 0, 0, blocks * 16 - n)).view(blocks, 16, k).transpose(1, 2).contiguous()
+
+
+def _our_gemm(weight: torch.Tensor):
+    """(our GEMM op, the packing it reads) where one serves this CPU weight,
+    else None.
+    float32 (csrc/f32_gemm.cpp), on every CPU our kernels build for: it reads
+    weights packed once at load, where oneDNN's prepacked GEMM still packs x
+    and MKL's sgemm packs both per call. SmolLM2's 30 layers, weights cold,
+    2-core Zen 3 (AVX2): 15.9 / 20.3 / 48.3 / 84.9 / 586 ms at 1 / 8 / 32 /
+    64 / 512 rows against oneDNN's 21.3 / 32.5 / 81.9 / 108 / 686.
+    bf16 (csrc/bf16_gemm.cpp) with an even number of columns, on CPUs with
+    AVX512-BF16 but no AMX (where oneDNN's tile kernels win): 1.1-2x
+    oneDNN's at 1 to 512 rows on Zen 4."""
+    if weight.device.type != "cpu":
         return None
     ops = native_ops()
-    return ops if ops is not None and ops.bf16_mm_available() and not ops.int4_amx_available() else None
+    if ops is None:
+        return None
+    if weight.dtype == torch.float32:
+        return ops.f32_mm, pack_f32_lanes
+    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and ops.bf16_mm_available() \
+            and not ops.int4_amx_available():
+        return ops.bf16_mm, pack_bf16_lanes
+    return None
 
 
 def _can_prepack(weight: torch.Tensor) -> bool:
@@ -64,10 +83,9 @@ class Linear(nn.Module):
     """y = x @ weight.T + bias; weight [out, in], x [T, in] -> [T, out].
 
     reduce: the group over which y is summed (row-parallel, world size > 1),
-    None otherwise. bf16 and float32 weights on CPU are kept only in the
-    layout of the GEMM that runs them: ours (csrc/bf16_gemm.cpp, `lanes`) for
-    bf16 on AVX512-BF16 CPUs without AMX, 1.1-2x oneDNN's there at 1 to 512
-    rows; oneDNN's prepacked layout (`packed`) elsewhere."""
+    None otherwise. float32 and bf16 weights on CPU are kept only in the
+    layout of the GEMM that runs them: ours (`lanes`, see _our_gemm) where
+    one serves the weight, oneDNN's prepacked layout (`packed`) elsewhere."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  reduce: TensorParallel | None = None):
@@ -75,13 +93,14 @@ class Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.reduce = reduce
-        self.packed = self.lanes = None
-        self.ops = _bf16_gemm(weight)
-        if self.ops is not None:
-            self.lanes = pack_bf16_lanes(weight)  # [ceil(out / 16), in / 2, 16, 2]
+        self.packed = self.lanes = self.mm = None
+        ours = _our_gemm(weight)
+        if ours is not None:
+            self.mm, pack = ours
+            self.lanes = pack(weight)  # pack_f32_lanes / pack_bf16_lanes
             self.weight = None
             if bias is not None:  # the GEMM adds it in float32: widened once here, not every call
-                self.bias = nn.Parameter(bias.float(), requires_grad=False)
+                self.bias = nn.Parameter(bias.float().contiguous(), requires_grad=False)
         elif _can_prepack(weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
             self.weight = None
@@ -112,9 +131,16 @@ class Linear(nn.Module):
             return cls(weights.get_slice(f"{prefix}.weight", 1, start, stop), b, reduce)
         return _build(weights, [weights.linear_format.load(weights, prefix, 1, start, stop)], b, reduce)
 
+    def dense_weight(self) -> torch.Tensor:
+        """The weight [out, in] this layer applies, whichever layout holds it."""
+        if self.lanes is not None:  # [B, K, 16] or [B, K / 2, 16, 2] -> [B, 16, K] -> [16 B, K]
+            return self.lanes.transpose(1, 2).reshape(-1, self.in_features)[:self.out_features]
+        return self.weight if self.packed is None else self.packed.to_dense()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lanes is not None:
-            y = self.ops.bf16_mm(x.contiguous(), self.lanes, self.out_features, self.bias)
+            y = self.mm(x.reshape(-1, self.in_features).contiguous(), self.lanes, self.out_features, self.bias)
+            y = y.view(*x.shape[:-1], self.out_features)
         elif self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         else:
