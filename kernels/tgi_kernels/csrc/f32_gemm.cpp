@@ -67,6 +67,7 @@ void tile(const float* x, const float* w, const float* bias, int64_t K, int64_t 
 
 void gemm(const float* x, const float* w, const float* bias, int64_t M, int64_t K, int64_t N, int64_t blocks,
           float* y) {
+  if (M == 0) return;  // (a step in which no sequence samples has no logits rows)
   const int64_t units = (blocks + kTileBlocks - 1) / kTileBlocks;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
@@ -79,7 +80,8 @@ void gemm(const float* x, const float* w, const float* bias, int64_t M, int64_t 
       // one of 2 keeps too few multiply-add chains in flight.
       const int64_t rest = std::max<int64_t>(0, M - kTileRows), tiles = 1 + (rest + kTileRows - 1) / kTileRows;
       for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
-        const int rows = int(t == 0 ? std::min<int64_t>(M, kTileRows) : rest / (tiles - 1) + (t - 1 < rest % (tiles - 1)));
+        const int rows = int(t == 0 ? std::min<int64_t>(M, kTileRows)
+                                    : rest / (tiles - 1) + (t - 1 < rest % (tiles - 1)));
         with_rows<kTileRows>(rows, [&](auto mr) {
           if constexpr (kTileBlocks == 2) {
             if (nb == 2) return tile<mr.value, 2>(x + m0 * K, wb, bias, K, N, b * kLanes, y + m0 * N);
