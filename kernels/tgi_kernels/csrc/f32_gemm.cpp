@@ -26,14 +26,12 @@ constexpr int kTileRows = 8, kTileBlocks = 2;  // 16 zmm accumulators of 32
 constexpr int kTileRows = 6, kTileBlocks = 1;  // AVX2: 12 ymm accumulators of 16
 #endif
 
-// The first `valid` lanes of y (+ bias) get v's.
-inline void store_row(float* y, Lanes v, const float* bias, int64_t valid) {
-  if (bias) {
-    alignas(64) float padded[kLanes] = {};
-    std::memcpy(padded, bias, valid * sizeof(float));
-    v = add(v, valid == kLanes ? lanes(bias) : lanes(padded));
-  }
-  store(y, v, valid);
+// The first `valid` (<= 16) floats of bias as lanes, the rest zero.
+inline Lanes bias_lanes(const float* bias, int64_t valid) {
+  if (valid == kLanes) return lanes(bias);
+  alignas(64) float padded[kLanes] = {};
+  std::memcpy(padded, bias, valid * sizeof(float));
+  return lanes(padded);
 }
 
 // MR rows of x (row stride K) against NB consecutive blocks of w (each K * 16
@@ -61,7 +59,11 @@ void tile(const float* x, const float* w, const float* bias, int64_t K, int64_t 
 #pragma GCC unroll 2
   for (int b = 0; b < NB; ++b) {
     const int64_t col = n0 + b * kLanes, valid = std::min(kLanes, N - col);
-    for (int m = 0; m < MR; ++m) store_row(y + m * N + col, acc[m][b], bias ? bias + col : nullptr, valid);
+    if (bias) {  // once for the tile's rows
+      const Lanes add_bias = bias_lanes(bias + col, valid);
+      for (int m = 0; m < MR; ++m) acc[m][b] = add(acc[m][b], add_bias);
+    }
+    for (int m = 0; m < MR; ++m) store(y + m * N + col, acc[m][b], valid);
   }
 }
 
