@@ -31,11 +31,27 @@ TINY_EXTRA = {
     "llama": dict(rope_theta=10000.0),
     "mistral": dict(sliding_window=24, rope_theta=10000.0),
     "qwen2": dict(rope_theta=10000.0, tie_word_embeddings=True),
+    # q/k norms; every other layer windowed (shorter than the longer prompts)
+    "qwen3": dict(head_dim=16, use_sliding_window=True, sliding_window=24, max_window_layers=1,
+                  layer_types=["full_attention", "sliding_attention", "full_attention"], num_hidden_layers=3),
+    # the second of three layers applies no RoPE
+    "smollm3": dict(no_rope_layers=[1, 0, 1], num_hidden_layers=3, rope_theta=10000.0, pad_token_id=None),
+    # local layers (window 24, base 10,000) around a global one (its own base
+    # and linear scaling); q/k norms, sandwich norms, GeGLU, a soft cap
+    "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=24, num_hidden_layers=3,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "linear", "rope_theta": 1e6,
+                                                            "factor": 4.0}},
+                        final_logit_softcapping=30.0, tie_word_embeddings=True),
 }
 HF_CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+    "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
 }
 
 

@@ -23,6 +23,7 @@ FAKES = {
     "rms_norm": lambda x, weight, eps: torch.empty_like(x),
     "add_rms_norm": lambda x, residual, weight, eps: torch.empty_like(x),
     "silu_mul": lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2),
+    "gelu_tanh_mul": lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2),
     "paged_decode": lambda query, *rest: query.new_empty(query.shape),
     "varlen_prefill": lambda query, *rest: query.new_empty(query.shape),
     "rotary_store_kv": lambda *args: None,

@@ -76,7 +76,7 @@ def load_shard(config: ShardConfig) -> tuple[ModelRunner, pb.InfoResponse]:
         model_id=source.model_id, model_type=c.model_type, dtype=str(dtype).removeprefix("torch."),
         device=str(device), block_size=config.block_size, max_position_embeddings=c.max_position_embeddings,
         vocab_size=c.vocab_size, eos_token_ids=list(c.eos_token_ids), num_layers=c.num_layers,
-        num_kv_heads=heads.num_kv_heads, head_dim=c.head_dim, sliding_window=max(c.sliding_windows),
+        num_kv_heads=heads.num_kv_heads, head_dim=c.head_dim, sliding_window=max(layer.sliding_window for layer in c.layers),
         attention_backend=runner.backend, rank=tp.rank, world_size=tp.world_size,
         bos_token_id=c.bos_token_id if c.bos_token_id is not None else 0,
         tokenizer_json=tokenizer_json, tokenizer_config_json=tokenizer_config_json)

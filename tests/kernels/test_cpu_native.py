@@ -150,6 +150,17 @@ def test_silu_mul_matches_torch(dtype):
 
 
 @needs_ops
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul_matches_torch(dtype):
+    """Both saturations of tanh (|gate| up to ~40) and the values near 0."""
+    gate_up = torch.randn(3, 2 * 40, dtype=dtype) * 10
+    gate_up[0, :8] = torch.tensor([0.0, 1e-4, -1e-4, 1e-2, -1e-2, 0.5, -0.5, 1.0])
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    want = (F.gelu(gate, approximate="tanh") * up).to(dtype)
+    torch.testing.assert_close(ops.gelu_tanh_mul(gate_up), want, **TOL[dtype])
+
+
+@needs_ops
 @pytest.mark.parametrize("with_temperature", [False, True])
 @pytest.mark.parametrize("with_rows", [False, True])
 def test_exp_block_sums_match_float64_and_do_not_depend_on_the_batch(with_temperature, with_rows):

@@ -1,4 +1,5 @@
-"""SwiGLU's gate on the fused gate_up output."""
+"""Gated MLP activations on the fused gate_up output: SwiGLU (silu) and
+GeGLU with tanh-approximated GELU (gemma)."""
 
 import torch
 from torch.nn import functional as F
@@ -6,12 +7,12 @@ from torch.nn import functional as F
 from tgi_kernels.native import native_ops
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [T, 2 I] (gate columns, then up) -> silu(gate) * up [T, I];
-    one pass in our C++ kernel on CPU (three kernels and two temporaries
-    in plain torch)."""
+def gated_activation(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """gate_up [T, 2 I] (gate columns, then up) -> act(gate) * up [T, I],
+    act "silu" or "gelu_tanh"; one pass in our C++ kernel on CPU (three
+    kernels and two temporaries in plain torch)."""
     ops = native_ops() if gate_up.device.type == "cpu" and gate_up.dim() == 2 else None
     if ops is not None:
-        return ops.silu_mul(gate_up)
+        return ops.silu_mul(gate_up) if act == "silu" else ops.gelu_tanh_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
-    return F.silu(gate) * up
+    return (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up

@@ -2,6 +2,7 @@
 `HeadShard` is a tensor-parallel rank's share of the heads."""
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -12,7 +13,11 @@ from tgi_kernels import (DecodeMeta, PrefillMeta, fuses_rotary, paged_decode, ro
 from ..distributed import TensorParallel
 from ..weights.source import TensorSource
 from .linear import Linear
+from .norm import RMSNorm
 from .rotary import apply_rotary
+
+if TYPE_CHECKING:
+    from ..models.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -57,45 +62,69 @@ class ForwardContext:
 class Attention(nn.Module):
     """x [T, hidden] -> [T, hidden]; writes the step's K/V into the layer's cache.
 
-    num_heads / num_kv_heads are this rank's; its cache holds its kv heads only."""
+    num_heads / num_kv_heads are this rank's; its cache holds its kv heads only.
+    q_norm / k_norm (qwen3, gemma3): an RMSNorm over each head's head_dim,
+    before RoPE."""
 
     def __init__(self, qkv: Linear, o_proj: Linear, layer_idx: int, num_heads: int,
-                 num_kv_heads: int, head_dim: int, sliding_window: int):
+                 num_kv_heads: int, head_dim: int, sliding_window: int, scale: float | None = None,
+                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None):
         super().__init__()
         self.qkv, self.o_proj = qkv, o_proj
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.sliding_window = sliding_window
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.q_norm, self.k_norm = q_norm, k_norm
 
     @classmethod
-    def load(cls, weights: TensorSource, prefix: str, layer_idx: int, heads: HeadShard, head_dim: int,
-             sliding_window: int, bias: bool, tp: TensorParallel) -> "Attention":
-        """This rank's heads: q/k/v column-parallel by head, o_proj row-parallel."""
+    def load(cls, weights: TensorSource, prefix: str, layer_idx: int, heads: HeadShard, config: "ModelConfig",
+             tp: TensorParallel) -> "Attention":
+        """This rank's heads of layer `layer_idx` of `config` (a ModelConfig):
+        q/k/v column-parallel by head, o_proj row-parallel; q/k norms whole
+        (they act on one head at a time)."""
+        head_dim = config.head_dim
         q_rows = (heads.q_start * head_dim, (heads.q_start + heads.num_heads) * head_dim)
         kv_rows = (heads.kv_start * head_dim, (heads.kv_start + heads.num_kv_heads) * head_dim)
         qkv = Linear.load_column(weights, [(f"{prefix}.q_proj", *q_rows), (f"{prefix}.k_proj", *kv_rows),
-                                           (f"{prefix}.v_proj", *kv_rows)], bias)
+                                           (f"{prefix}.v_proj", *kv_rows)], config.attention_bias)
         o_proj = Linear.load_row(weights, f"{prefix}.o_proj", heads.num_heads * head_dim * tp.world_size,
                                  bias=False, tp=tp)
-        return cls(qkv, o_proj, layer_idx, heads.num_heads, heads.num_kv_heads, head_dim, sliding_window)
+        norms = ((RMSNorm.load(weights, f"{prefix}.q_norm", config.rms_norm_eps, config.norm_offset),
+                  RMSNorm.load(weights, f"{prefix}.k_norm", config.rms_norm_eps, config.norm_offset))
+                 if config.qk_norm else (None, None))
+        return cls(qkv, o_proj, layer_idx, heads.num_heads, heads.num_kv_heads, head_dim,
+                   config.layers[layer_idx].sliding_window, config.attn_scale, *norms)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [T, heads + 2 kv_heads, D] -> the same with q and k heads normed
+        (a new contiguous tensor; v as it was)."""
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_norm(qkv[:, :heads].reshape(-1, dim)).view(-1, heads, dim)
+        k = self.k_norm(qkv[:, heads:heads + kv_heads].reshape(-1, dim)).view(-1, kv_heads, dim)
+        return torch.cat([q, k, qkv[:, heads + kv_heads:]], dim=1)
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
                 ctx: ForwardContext) -> torch.Tensor:
-        """x [T, hidden], cos/sin [T, 1, head_dim] (see RotaryEmbedding) -> [T, hidden]."""
+        """x [T, hidden], cos_sin: (cos, sin) [T, 1, head_dim] each (see
+        RotaryEmbedding), None where this layer applies no RoPE -> [T, hidden]."""
         tokens = x.shape[0]
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv(x).view(tokens, heads + 2 * kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            qkv = self._norm_heads(qkv)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        if fuses_rotary(ctx.backend):
+        if cos_sin is not None and fuses_rotary(ctx.backend):
             qkv = qkv.contiguous()  # a no-op after a GEMM; rotated in place
-            rotary_store_kv(qkv, cos, sin, heads, k_cache, v_cache, ctx.slot_mapping)
+            rotary_store_kv(qkv, *cos_sin, heads, k_cache, v_cache, ctx.slot_mapping)
             q = qkv[:, :heads]
             k = None  # sliced below only where a prefill reads it
         else:
-            # q and k rotate together: [T, heads + kv_heads, head_dim]
-            qk = apply_rotary(qkv[:, :heads + kv_heads], cos, sin)
-            q, k = qk[:, :heads], qk[:, heads:]
+            if cos_sin is None:
+                q, k = qkv[:, :heads], qkv[:, heads:heads + kv_heads]
+            else:  # q and k rotate together: [T, heads + kv_heads, head_dim]
+                qk = apply_rotary(qkv[:, :heads + kv_heads], *cos_sin)
+                q, k = qk[:, :heads], qk[:, heads:]
             store_kv(k, qkv[:, heads + kv_heads:], k_cache, v_cache, ctx.slot_mapping, ctx.backend)
 
         nd = ctx.num_decode_tokens

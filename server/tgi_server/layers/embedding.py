@@ -33,27 +33,32 @@ class Embedding(nn.Module):
 
     Holds the rows of vocabulary ids [start, start + rows); under tensor
     parallelism the other ids give zeros here and the ranks' outputs are
-    summed."""
+    summed. `scale` (gemma: sqrt(hidden)) multiplies the rows looked up, as
+    a scalar in the weights' dtype, as transformers does."""
 
-    def __init__(self, weight: torch.Tensor, start: int, tp: TensorParallel, name: str = ""):
+    def __init__(self, weight: torch.Tensor, start: int, tp: TensorParallel, name: str = "", scale: float = 1.0):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)  # [rows, hidden]
         self.start = start
         self.tp = tp
         self.name = name  # the checkpoint tensor it came from (a tied head reads its blocks)
+        self.scale = None if scale == 1.0 else torch.tensor(scale, dtype=weight.dtype, device=weight.device)
 
     @classmethod
-    def load(cls, weights: TensorSource, prefix: str, vocab_size: int, tp: TensorParallel) -> "Embedding":
+    def load(cls, weights: TensorSource, prefix: str, vocab_size: int, tp: TensorParallel,
+             scale: float = 1.0) -> "Embedding":
         weight, start = _vocab_rows(weights, f"{prefix}.weight", vocab_size, tp)
-        return cls(weight, start, tp, f"{prefix}.weight")
+        return cls(weight, start, tp, f"{prefix}.weight", scale)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.embedding(ids, self.weight)
-        local = ids - self.start  # [T]
-        outside = (local < 0) | (local >= self.weight.shape[0])  # [T]
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, hidden]
-        return self.tp.all_reduce_sum(out.masked_fill_(outside[:, None], 0))
+            out = F.embedding(ids, self.weight)  # [T, hidden]
+        else:
+            local = ids - self.start  # [T]
+            outside = (local < 0) | (local >= self.weight.shape[0])  # [T]
+            out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, hidden]
+            out = self.tp.all_reduce_sum(out.masked_fill_(outside[:, None], 0))
+        return out if self.scale is None else out.mul_(self.scale)
 
 
 class LMHead(nn.Module):
@@ -64,23 +69,25 @@ class LMHead(nn.Module):
     head is a fifth of all FLOPs, so it never runs on the whole batch.
     `gemv`: the same rows kept as int8 blocks (a GGUF head stored as Q8_0) for
     steps of up to GEMV_MAX_ROWS rows, where reading fewer bytes wins (decode
-    at small batches); None elsewhere."""
+    at small batches); None elsewhere. `softcap` c (gemma): logits become
+    c * tanh(logits / c)."""
 
     def __init__(self, weight: torch.Tensor, vocab_size: int, tp: TensorParallel,
-                 gemv: GroupedInt8 | None = None):
+                 gemv: GroupedInt8 | None = None, softcap: float | None = None):
         super().__init__()
         self.proj = Linear(weight, None)  # [rows of this rank, hidden]
         self.gemv = gemv
         self.vocab_size = vocab_size
         self.tp = tp
+        self.softcap = softcap
 
     @classmethod
     def load(cls, weights: TensorSource, prefix: str, vocab_size: int, tp: TensorParallel,
-             tied_to: Embedding | None) -> "LMHead":
+             tied_to: Embedding | None, softcap: float | None = None) -> "LMHead":
         """tied_to: the embedding whose rows (the same vocabulary block) are the head's."""
         name = tied_to.name if tied_to is not None else f"{prefix}.weight"
         weight = tied_to.weight.data if tied_to is not None else _vocab_rows(weights, name, vocab_size, tp)[0]
-        return cls(weight, vocab_size, tp, _q8_0_head(weights, name, weight.shape[0], vocab_size, tp))
+        return cls(weight, vocab_size, tp, _q8_0_head(weights, name, weight.shape[0], vocab_size, tp), softcap)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.gemv is not None and hidden.shape[0] <= GEMV_MAX_ROWS:
@@ -90,7 +97,10 @@ class LMHead(nn.Module):
         if self.tp.world_size > 1:
             # [S, padded vocab], ranks in order; the padding columns dropped
             logits = self.tp.all_gather(logits, dim=-1)[:, :self.vocab_size]
-        return logits.float().contiguous()
+        logits = logits.float().contiguous()
+        if self.softcap is not None:
+            logits = torch.tanh(logits.div_(self.softcap)).mul_(self.softcap)
+        return logits
 
 
 def _q8_0_head(weights: TensorSource, name: str, rows: int, vocab_size: int,

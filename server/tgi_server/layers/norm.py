@@ -11,6 +11,8 @@ from ..weights.source import TensorSource
 
 class RMSNorm(nn.Module):
     """y = weight * (x / rms(x)); x [T, hidden] -> [T, hidden] in x's dtype.
+    Gemma's norms scale by 1 + w: `load(offset=True)` stores that sum (taken
+    in float32, as Gemma does, then in the weights' dtype).
 
     On CPU our C++ kernel does it in one pass (F.rms_norm launches five
     kernels: 11-70 us a call for one row of 576, against ~1 us)."""
@@ -22,8 +24,9 @@ class RMSNorm(nn.Module):
         self.native = native_ops() if weight.device.type == "cpu" else None
 
     @classmethod
-    def load(cls, weights: TensorSource, prefix: str, eps: float) -> "RMSNorm":
-        return cls(weights.get(f"{prefix}.weight"), eps)
+    def load(cls, weights: TensorSource, prefix: str, eps: float, offset: bool = False) -> "RMSNorm":
+        weight = weights.get(f"{prefix}.weight")
+        return cls((weight.float() + 1.0).to(weight.dtype) if offset else weight, eps)
 
     def _fits(self, x: torch.Tensor) -> bool:
         return self.native is not None and x.dim() == 2 and x.dtype == self.weight.dtype

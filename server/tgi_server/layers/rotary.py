@@ -10,9 +10,14 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 
-def rope_parameters(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim/2] float32, attention scaling) for the config's RoPE type."""
+def rope_parameters(config: PretrainedConfig, head_dim: int,
+                    layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim/2] float32, attention scaling) for the config's RoPE
+    type; layer_type: the table of that layer type, for configs whose
+    rope_parameters hold one per type (gemma3)."""
     params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -22,7 +27,8 @@ def rope_parameters(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tens
                          + ", ".join(sorted(ROPE_INIT_FUNCTIONS)))
     # "dynamic" keeps its initial frequencies: Hugging Face only grows the NTK
     # base past max_position_embeddings, which we never serve.
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
     return inv_freq.float(), float(scaling)
 
 

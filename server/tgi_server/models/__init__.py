@@ -4,10 +4,12 @@ from torch import nn
 
 from ..distributed import TensorParallel
 from ..weights.source import TensorSource
-from .config import SUPPORTED_MODEL_TYPES, ModelConfig
-from .llama import LlamaForCausalLM
+from .config import ModelConfig
+from .decoder import DecoderForCausalLM
+from .families import FAMILIES
 
-MODELS: dict[str, type[nn.Module]] = {name: LlamaForCausalLM for name in SUPPORTED_MODEL_TYPES}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+MODELS: dict[str, type[nn.Module]] = {name: DecoderForCausalLM for name in FAMILIES}
 
 
 def build_model(weights: TensorSource, config: ModelConfig, tp: TensorParallel) -> nn.Module:

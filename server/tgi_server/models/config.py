@@ -1,13 +1,28 @@
-"""The facts our model code needs, read once from a transformers config."""
+"""The facts our model code needs, read once from a transformers config.
+
+Everything that differs between the dense families we serve is a fact here,
+per model or per layer (window, RoPE table, whether RoPE applies), so one
+decoder (models/decoder.py) serves them all; models/families.py says what
+each `model_type` sets."""
 
 from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from ..layers.rotary import rope_parameters
 from ..weights.errors import CheckpointError
+from .families import ACTIVATIONS, FAMILIES
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+@dataclass(frozen=True)
+class RopeTable:
+    inv_freq: tuple[float, ...]  # [head_dim/2] float32 values
+    attention_scaling: float     # cos and sin are multiplied by it (YaRN, longrope)
+
+
+@dataclass(frozen=True)
+class LayerFacts:
+    sliding_window: int  # 0 = full attention
+    rope: int            # index into ModelConfig.ropes; -1: this layer applies no RoPE
 
 
 @dataclass(frozen=True)
@@ -24,29 +39,38 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool       # q/k/v biases (qwen2)
     mlp_bias: bool
-    sliding_windows: tuple[int, ...]  # per layer; 0 = full attention
+    layers: tuple[LayerFacts, ...]
+    ropes: tuple[RopeTable, ...]
     max_position_embeddings: int
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    rope_inv_freq: tuple[float, ...]  # [head_dim/2] float32 values
-    rope_attention_scaling: float
+    hidden_act: str = "silu"          # the MLP's gate: "silu" or "gelu_tanh"
+    qk_norm: bool = False             # an RMSNorm over each head of q and of k, before RoPE (qwen3, gemma3)
+    norm_offset: bool = False         # RMSNorm scales by 1 + weight (gemma)
+    sandwich_norms: bool = False      # norms after attention and after the MLP too (gemma)
+    embed_scale: float = 1.0          # embeddings times this, rounded to the weights' dtype (gemma: sqrt(hidden))
+    attn_scale: float | None = None   # q.k scale; None: head_dim ** -0.5
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
 
     @classmethod
     def from_hf(cls, hf: PretrainedConfig) -> "ModelConfig":
         model_type = getattr(hf, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise CheckpointError(f"unsupported architecture {model_type!r}; supported: "
-                                  + ", ".join(SUPPORTED_MODEL_TYPES))
-        if getattr(hf, "hidden_act", "silu") != "silu":
-            raise CheckpointError(f"unsupported activation {hf.hidden_act!r}; supported: silu")
+        family = FAMILIES.get(model_type)
+        if family is None:
+            raise CheckpointError(f"unsupported architecture {model_type!r}; supported: " + ", ".join(FAMILIES))
+        act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
+        if act not in family.activations:
+            raise CheckpointError(f"unsupported activation {act!r} for {model_type}; supported: "
+                                  + ", ".join(family.activations))
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         try:
-            inv_freq, scaling = rope_parameters(hf, head_dim)
+            ropes, layer_ropes = family.ropes(hf, head_dim)
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(f"invalid RoPE configuration: {err}") from None
         eos = hf.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        windows = family.windows(hf)
         return cls(
             model_type=model_type,
             vocab_size=hf.vocab_size,
@@ -58,16 +82,16 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=hf.rms_norm_eps,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+            attention_bias=family.qkv_bias or bool(getattr(hf, "attention_bias", False)),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            sliding_windows=_sliding_windows(hf),
+            layers=tuple(LayerFacts(w, r) for w, r in zip(windows, layer_ropes)),
+            ropes=tuple(RopeTable(tuple(inv.tolist()), scaling) for inv, scaling in ropes),
             max_position_embeddings=hf.max_position_embeddings,
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos_ids,
-            rope_inv_freq=tuple(inv_freq.tolist()),
-            rope_attention_scaling=scaling,
+            hidden_act=ACTIVATIONS[act],
+            **family.extras(hf, head_dim),
         )
-
 
     def check_tensor_parallel(self, world_size: int) -> None:
         """ValueError, naming the numbers, unless the model splits over
@@ -85,15 +109,3 @@ class ModelConfig:
         if self.intermediate_size % world_size:
             raise ValueError(f"cannot shard an intermediate size of {self.intermediate_size} "
                              f"over {world_size} shards")
-
-
-def _sliding_windows(hf: PretrainedConfig) -> tuple[int, ...]:
-    """Mistral windows every layer; Qwen2 names its windowed layers in
-    `layer_types` (only when use_sliding_window); Llama never windows."""
-    window = getattr(hf, "sliding_window", None) or 0
-    layer_types = getattr(hf, "layer_types", None)
-    if hf.model_type == "llama" or not window:
-        return (0,) * hf.num_hidden_layers
-    if layer_types:
-        return tuple(window if t == "sliding_attention" else 0 for t in layer_types)
-    return (window,) * hf.num_hidden_layers
