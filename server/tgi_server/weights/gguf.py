@@ -1,12 +1,13 @@
 """GGUF checkpoints (llama.cpp's single-file format) in Hugging Face terms.
 
-`GGUFFile` opens a Llama-family GGUF file and names its tensors as
-`transformers`' LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM do,
-with a config.json-equivalent dict; it dequantizes a tensor when asked for
-it. `load_gguf` dequantizes them all.
+`GGUFFile` opens a GGUF file of a dense family we serve (llama, mistral,
+qwen2, qwen3, gemma3) and names its tensors as `transformers`' model class
+for it does, with a config.json-equivalent dict; it dequantizes a tensor when
+asked for it. `load_gguf` dequantizes them all.
 llama.cpp's converter interleaves the rows of q_proj and k_proj of llama
 models for its rotary kernel; the loader undoes that, so the tensors drop into
-HF-layout model code (rotate-half RoPE) unchanged.
+HF-layout model code (rotate-half RoPE) unchanged. For Gemma it stores each
+RMSNorm's 1 + w; the loader gives back w, as transformers' GGUF loader does.
 """
 
 from __future__ import annotations
@@ -23,12 +24,17 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from .errors import CheckpointError
+from .gguf_chat import FALLBACKS
 from .gguf_rope import llama3_scaling
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+_MODEL_TYPES = {"gemma3": "gemma3_text"}  # GGUF architecture -> transformers model_type, where they differ
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 # Architectures whose q/k rows llama.cpp's converter permuted (LlamaModel.permute).
 _PERMUTED = ("llama", "mistral")
+# Architectures whose norm weights llama.cpp stores as 1 + w.
+_NORMS_PLUS_ONE = ("gemma3",)
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -45,7 +51,14 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
+# Gemma's four norms a layer: ffn_norm is the MLP's input norm, as in llama,
+# but transformers calls it pre_feedforward_layernorm there.
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                      "post_attention_norm": "post_attention_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp keeps Llama 3's rope scaling as this tensor of per-frequency divisors.
 _ROPE_FREQS = "rope_freqs.weight"
@@ -83,9 +96,11 @@ class GGUFFile:
         self.config = _config(reader, arch, shapes, self.path)
         # HF name -> (GGUF tensor, its GGUF kind, HF shape)
         self._tensors = {}
+        self._norms_plus_one = arch in _NORMS_PLUS_ONE
+        layer_names = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
         for tensor in reader.tensors:
             if tensor.name != _ROPE_FREQS:
-                hf_name, kind = _hf_name(tensor.name, self.path)
+                hf_name, kind = _hf_name(tensor.name, layer_names, self.path)
                 self._tensors[hf_name] = (tensor, kind, shapes[tensor.name])
         _check_shapes({name: shape for name, (_, _, shape) in self._tensors.items()}, self.config, self.path)
 
@@ -95,8 +110,10 @@ class GGUFFile:
 
     def tensor(self, name: str) -> np.ndarray:
         """Tensor `name` dequantized to float32 in its HF shape and row order; KeyError if absent."""
-        tensor, _, shape = self._tensors[name]
+        tensor, kind, shape = self._tensors[name]
         array = _dequantize(tensor, shape, self.path)
+        if self._norms_plus_one and kind.endswith("norm"):
+            array = array - np.float32(1)
         order = self._row_order(name)
         return array if order is None else array[order]
 
@@ -126,12 +143,15 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     from transformers import PreTrainedTokenizerFast
 
     path = Path(path)
-    _architecture(_open(path), path)
+    arch = _architecture(_open(path), path)
     try:
         # Not AutoTokenizer: it also parses the whole file into a config first (~6 s for SmolLM2, vs 0.3 s).
-        return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as err:  # transformers raises many types for a vocabulary it cannot convert
         raise CheckpointError(f"{path}: cannot build the tokenizer ({_one_line(err)})") from None
+    if tokenizer.chat_template is None and arch in FALLBACKS:
+        tokenizer.chat_template = FALLBACKS[arch][0]
+    return tokenizer
 
 
 class _Reader(GGUFReader):
@@ -193,7 +213,7 @@ def _config(reader: GGUFReader, arch: str, shapes: dict[str, tuple[int, ...]], p
         raise CheckpointError(f"{path}: GGUF file lacks token_embd.weight or blk.0.attn_q.weight")
     n_heads = int(key("attention.head_count"))
     head_dim = int(key("attention.key_length", shapes["blk.0.attn_q.weight"][0] // n_heads))
-    model_type = arch
+    model_type = _MODEL_TYPES.get(arch, arch)
     if arch == "llama" and "mistral" in str(_field(reader, "general.name", "")).lower():
         model_type = "mistral"  # llama.cpp converts Mistral models to the llama architecture
     rope_theta = _float32(key("rope.freq_base", 10000.0))
@@ -213,11 +233,24 @@ def _config(reader: GGUFReader, arch: str, shapes: dict[str, tuple[int, ...]], p
         "max_position_embeddings": int(key("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in shapes,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "eos_token_id": _eos_ids(reader, arch),
         "sliding_window": None if window is None else int(window),
         "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in shapes,
         "rope_scaling": _rope_scaling(reader, arch, rope_theta, head_dim, path),
     }
+
+
+def _eos_ids(reader: GGUFReader, arch: str) -> int | list[int] | None:
+    """The file's end-of-sequence id, and for families in gguf_chat.FALLBACKS
+    the id of the token that ends a turn, when the vocabulary has it."""
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if arch not in FALLBACKS or tokens is None:
+        return eos
+    end_of_turn = FALLBACKS[arch][1].encode()
+    # field.data indexes the parts holding each token's bytes (no list of 262k strings built)
+    turn = next((i for i, part in enumerate(tokens.data) if bytes(tokens.parts[part]) == end_of_turn), None)
+    return eos if turn is None or turn == eos else [i for i in (eos, turn) if i is not None]
 
 
 def _rope_scaling(reader: GGUFReader, arch: str, theta: float, head_dim: int, path: Path) -> dict | None:
@@ -248,16 +281,17 @@ def _rope_scaling(reader: GGUFReader, arch: str, theta: float, head_dim: int, pa
     raise CheckpointError(f"{path}: unsupported rope scaling type {kind!r} (supported: linear, yarn)")
 
 
-def _hf_name(name: str, path: Path) -> tuple[str, str]:
-    """(HF name, GGUF tensor kind) of a GGUF tensor name; CheckpointError for tensors we cannot serve."""
+def _hf_name(name: str, layer_names: dict[str, str], path: Path) -> tuple[str, str]:
+    """(HF name, GGUF tensor kind) of a GGUF tensor name, layer tensors named
+    by `layer_names`; CheckpointError for tensors we cannot serve."""
     stem, _, suffix = name.rpartition(".")
     if stem in _GLOBAL_NAMES and suffix == "weight":
         return f"{_GLOBAL_NAMES[stem]}.weight", stem
     match = _LAYER_TENSOR.fullmatch(name)
-    if match and match.group(2) in _LAYER_NAMES:
+    if match and match.group(2) in layer_names:
         layer, kind, suffix = match.groups()
-        return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}", kind
-    raise CheckpointError(f"{path}: unsupported tensor {name} in a Llama-family GGUF file")
+        return f"model.layers.{layer}.{layer_names[kind]}.{suffix}", kind
+    raise CheckpointError(f"{path}: unsupported tensor {name} in this GGUF file")
 
 
 def _dequantize(tensor, shape: tuple[int, ...], path: Path) -> np.ndarray:
@@ -300,6 +334,12 @@ def _check_shapes(shapes: dict[str, tuple[int, ...]], config: dict, path: Path) 
     if config["attention_bias"]:
         layer_shapes.update({"self_attn.q_proj.bias": (q_rows,), "self_attn.k_proj.bias": (kv_rows,),
                              "self_attn.v_proj.bias": (kv_rows,)})
+    if config["model_type"] in ("qwen3", "gemma3_text"):
+        layer_shapes.update({"self_attn.q_norm.weight": (config["head_dim"],),
+                             "self_attn.k_norm.weight": (config["head_dim"],)})
+    if config["model_type"] == "gemma3_text":
+        layer_shapes.update({"pre_feedforward_layernorm.weight": (hidden,),
+                             "post_feedforward_layernorm.weight": (hidden,)})
     for layer in range(config["num_hidden_layers"]):
         expected.update({f"model.layers.{layer}.{name}": shape for name, shape in layer_shapes.items()})
     for name, shape in expected.items():
