@@ -44,6 +44,13 @@ TINY_EXTRA = {
                                          "full_attention": {"rope_type": "linear", "rope_theta": 1e6,
                                                             "factor": 4.0}},
                         final_logit_softcapping=30.0, tie_word_embeddings=True),
+    # fused qkv and gate_up tensors, RoPE on half of each head (longrope's
+    # short factors below its original 256 positions), windows of 24
+    "phi3": dict(sliding_window=24, max_position_embeddings=512, pad_token_id=None,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                  "original_max_position_embeddings": 256,
+                                  "short_factor": [1.0, 1.3, 2.0, 3.0],
+                                  "long_factor": [1.0, 3.0, 6.0, 12.0]}),
 }
 HF_CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -52,6 +59,7 @@ HF_CLASSES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
     "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
 }
 
 

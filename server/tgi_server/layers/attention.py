@@ -64,11 +64,12 @@ class Attention(nn.Module):
 
     num_heads / num_kv_heads are this rank's; its cache holds its kv heads only.
     q_norm / k_norm (qwen3, gemma3): an RMSNorm over each head's head_dim,
-    before RoPE."""
+    before RoPE. rotary_dim (phi3's partial rotary): RoPE rotates each
+    head's first rotary_dim dims only."""
 
     def __init__(self, qkv: Linear, o_proj: Linear, layer_idx: int, num_heads: int,
                  num_kv_heads: int, head_dim: int, sliding_window: int, scale: float | None = None,
-                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None):
+                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, rotary_dim: int | None = None):
         super().__init__()
         self.qkv, self.o_proj = qkv, o_proj
         self.layer_idx = layer_idx
@@ -76,6 +77,7 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.q_norm, self.k_norm = q_norm, k_norm
+        self.rotary_dim = rotary_dim  # None: RoPE rotates the whole head
 
     @classmethod
     def load(cls, weights: TensorSource, prefix: str, layer_idx: int, heads: HeadShard, config: "ModelConfig",
@@ -86,15 +88,21 @@ class Attention(nn.Module):
         head_dim = config.head_dim
         q_rows = (heads.q_start * head_dim, (heads.q_start + heads.num_heads) * head_dim)
         kv_rows = (heads.kv_start * head_dim, (heads.kv_start + heads.num_kv_heads) * head_dim)
-        qkv = Linear.load_column(weights, [(f"{prefix}.q_proj", *q_rows), (f"{prefix}.k_proj", *kv_rows),
-                                           (f"{prefix}.v_proj", *kv_rows)], config.attention_bias)
+        if config.fused_qkv:  # q's rows, then k's, then v's, in one qkv_proj tensor
+            q_all, kv_all = config.num_heads * head_dim, config.num_kv_heads * head_dim
+            name = f"{prefix}.qkv_proj"
+            parts = [(name, *q_rows), (name, q_all + kv_rows[0], q_all + kv_rows[1]),
+                     (name, q_all + kv_all + kv_rows[0], q_all + kv_all + kv_rows[1])]
+        else:
+            parts = [(f"{prefix}.q_proj", *q_rows), (f"{prefix}.k_proj", *kv_rows), (f"{prefix}.v_proj", *kv_rows)]
+        qkv = Linear.load_column(weights, parts, config.attention_bias)
         o_proj = Linear.load_row(weights, f"{prefix}.o_proj", heads.num_heads * head_dim * tp.world_size,
                                  bias=False, tp=tp)
         norms = ((RMSNorm.load(weights, f"{prefix}.q_norm", config.rms_norm_eps, config.norm_offset),
                   RMSNorm.load(weights, f"{prefix}.k_norm", config.rms_norm_eps, config.norm_offset))
                  if config.qk_norm else (None, None))
         return cls(qkv, o_proj, layer_idx, heads.num_heads, heads.num_kv_heads, head_dim,
-                   config.layers[layer_idx].sliding_window, config.attn_scale, *norms)
+                   config.layers[layer_idx].sliding_window, config.attn_scale, *norms, config.rotary_dim)
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv [T, heads + 2 kv_heads, D] -> the same with q and k heads normed
@@ -114,7 +122,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qkv = self._norm_heads(qkv)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        if cos_sin is not None and fuses_rotary(ctx.backend):
+        if cos_sin is not None and self.rotary_dim is None and fuses_rotary(ctx.backend):
             qkv = qkv.contiguous()  # a no-op after a GEMM; rotated in place
             rotary_store_kv(qkv, *cos_sin, heads, k_cache, v_cache, ctx.slot_mapping)
             q = qkv[:, :heads]
@@ -123,7 +131,12 @@ class Attention(nn.Module):
             if cos_sin is None:
                 q, k = qkv[:, :heads], qkv[:, heads:heads + kv_heads]
             else:  # q and k rotate together: [T, heads + kv_heads, head_dim]
-                qk = apply_rotary(qkv[:, :heads + kv_heads], *cos_sin)
+                qk = qkv[:, :heads + kv_heads]
+                if self.rotary_dim is None:
+                    qk = apply_rotary(qk, *cos_sin)
+                else:  # cos/sin [T, 1, rotary_dim]: the rest of each head passes through
+                    rd = self.rotary_dim
+                    qk = torch.cat([apply_rotary(qk[..., :rd], *cos_sin), qk[..., rd:]], dim=-1)
                 q, k = qk[:, :heads], qk[:, heads:]
             store_kv(k, qkv[:, heads + kv_heads:], k_cache, v_cache, ctx.slot_mapping, ctx.backend)
 

@@ -21,7 +21,8 @@ def rope_parameters(config: PretrainedConfig, head_dim: int,
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+        dim = rotary_dim(config, head_dim)
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: default, "
                          + ", ".join(sorted(ROPE_INIT_FUNCTIONS)))
@@ -30,6 +31,15 @@ def rope_parameters(config: PretrainedConfig, head_dim: int,
     kwargs = {} if layer_type is None else {"layer_type": layer_type}
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
     return inv_freq.float(), float(scaling)
+
+
+def rotary_dim(config: PretrainedConfig, head_dim: int) -> int:
+    """How many leading dims of each head RoPE rotates (phi3's
+    partial_rotary_factor < 1 leaves the rest as they are)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if "rope_type" not in params:  # none, or one table per layer type (gemma3: never partial)
+        params = {}
+    return int(head_dim * params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
 
 
 class RotaryEmbedding:

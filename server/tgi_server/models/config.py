@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
+from ..layers.rotary import rotary_dim
 from ..weights.errors import CheckpointError
 from .families import ACTIVATIONS, FAMILIES
 
@@ -51,6 +52,9 @@ class ModelConfig:
     embed_scale: float = 1.0          # embeddings times this, rounded to the weights' dtype (gemma: sqrt(hidden))
     attn_scale: float | None = None   # q.k scale; None: head_dim ** -0.5
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    rotary_dim: int | None = None     # leading dims of a head that RoPE rotates; None: all (phi3 may rotate fewer)
+    fused_qkv: bool = False           # one qkv_proj tensor holds q, k and v's rows (phi3)
+    fused_gate_up: bool = False       # one gate_up_proj tensor holds gate's rows, then up's (phi3)
 
     @classmethod
     def from_hf(cls, hf: PretrainedConfig) -> "ModelConfig":
@@ -71,6 +75,7 @@ class ModelConfig:
         eos = hf.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         windows = family.windows(hf)
+        rotary = rotary_dim(hf, head_dim)
         return cls(
             model_type=model_type,
             vocab_size=hf.vocab_size,
@@ -90,6 +95,7 @@ class ModelConfig:
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos_ids,
             hidden_act=ACTIVATIONS[act],
+            rotary_dim=None if rotary == head_dim else rotary,
             **family.extras(hf, head_dim),
         )
 

@@ -1,9 +1,10 @@
 """The dense decoder families (llama, mistral, qwen2, qwen3, smollm3,
-gemma3 text) on one flattened ragged batch.
+gemma3 text, phi3) on one flattened ragged batch.
 
 They differ only in facts of ModelConfig (models/families.py says which each
-sets): sliding windows and RoPE tables per layer (and layers without RoPE),
-q/k/v biases, q/k norms, Gemma's 1 + weight norms, norms after attention and
+sets): sliding windows and RoPE tables per layer (and layers without RoPE,
+or RoPE on part of each head), fused qkv and gate_up tensors, q/k/v biases,
+q/k norms, Gemma's 1 + weight norms, norms after attention and
 after the MLP, GELU-tanh, scaled embeddings, the attention scale, a soft cap
 on the logits, tied embeddings. Under tensor parallelism each layer loads
 this rank's slice; the model code only says which layers split by output
@@ -38,8 +39,12 @@ class MLP(nn.Module):
     @classmethod
     def load(cls, weights: TensorSource, prefix: str, config: ModelConfig, tp: TensorParallel) -> "MLP":
         start, stop = tp.split(config.intermediate_size)
-        gate_up = Linear.load_column(
-            weights, [(f"{prefix}.gate_proj", start, stop), (f"{prefix}.up_proj", start, stop)], config.mlp_bias)
+        if config.fused_gate_up:  # gate's rows, then up's, in one tensor
+            inter = config.intermediate_size
+            parts = [(f"{prefix}.gate_up_proj", start, stop), (f"{prefix}.gate_up_proj", inter + start, inter + stop)]
+        else:
+            parts = [(f"{prefix}.gate_proj", start, stop), (f"{prefix}.up_proj", start, stop)]
+        gate_up = Linear.load_column(weights, parts, config.mlp_bias)
         down = Linear.load_row(weights, f"{prefix}.down_proj", config.intermediate_size, config.mlp_bias, tp)
         return cls(gate_up, down, config.hidden_act)
 

@@ -71,5 +71,6 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family(qkv_bias=True),
     "qwen3": Family(extras=lambda hf, head_dim: {"qk_norm": True}),
     "smollm3": Family(ropes=_smollm3_ropes),
+    "phi3": Family(extras=lambda hf, head_dim: {"fused_qkv": True, "fused_gate_up": True}),
     "gemma3_text": Family(activations=("gelu_pytorch_tanh",), ropes=_per_layer_type_ropes, extras=_gemma3),
 }
