@@ -51,6 +51,16 @@ TINY_EXTRA = {
                                   "original_max_position_embeddings": 256,
                                   "short_factor": [1.0, 1.3, 2.0, 3.0],
                                   "long_factor": [1.0, 3.0, 6.0, 12.0]}),
+    # 8 experts, top 2 (mixtral always renormalizes them)
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, rope_theta=10000.0, sliding_window=None),
+    # a shared expert beside 8 routed ones, top 2 not renormalized; the
+    # second of three layers a dense MLP (mlp_only_layers)
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1],
+                      num_hidden_layers=3, rope_theta=10000.0),
+    # q/k norms; top 2 of 8 renormalized; experts on every other layer (decoder_sparse_step 2)
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      decoder_sparse_step=2, num_hidden_layers=3, head_dim=16, rope_theta=10000.0),
 }
 HF_CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -60,6 +70,9 @@ HF_CLASSES = {
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
     "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
 }
 
 

@@ -120,13 +120,14 @@ class Linear(nn.Module):
 
     @classmethod
     def load_row(cls, weights: TensorSource, prefix: str, in_features: int, bias: bool,
-                 tp: TensorParallel) -> nn.Module:
+                 tp: TensorParallel, reduce: bool = True) -> nn.Module:
         """This rank's share of the `in_features` input columns: weight
-        [out, in_features / world_size]; outputs summed over the ranks. The
-        bias is added once, by rank 0, before the sum."""
+        [out, in_features / world_size]; outputs summed over the ranks (reduce
+        False: left partial, for a caller that sums several layers' outputs
+        first). The bias is added once, by rank 0, before the sum."""
         start, stop = tp.split(in_features)
         b = weights.get(f"{prefix}.bias") if bias and tp.rank == 0 else None
-        reduce = tp if tp.world_size > 1 else None
+        reduce = tp if tp.world_size > 1 and reduce else None
         if weights.linear_format is None:
             return cls(weights.get_slice(f"{prefix}.weight", 1, start, stop), b, reduce)
         return _build(weights, [weights.linear_format.load(weights, prefix, 1, start, stop)], b, reduce)

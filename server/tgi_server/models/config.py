@@ -11,19 +11,8 @@ from transformers import PretrainedConfig
 
 from ..layers.rotary import rotary_dim
 from ..weights.errors import CheckpointError
+from .facts import LayerFacts, MoEFacts, RopeTable
 from .families import ACTIVATIONS, FAMILIES
-
-
-@dataclass(frozen=True)
-class RopeTable:
-    inv_freq: tuple[float, ...]  # [head_dim/2] float32 values
-    attention_scaling: float     # cos and sin are multiplied by it (YaRN, longrope)
-
-
-@dataclass(frozen=True)
-class LayerFacts:
-    sliding_window: int  # 0 = full attention
-    rope: int            # index into ModelConfig.ropes; -1: this layer applies no RoPE
 
 
 @dataclass(frozen=True)
@@ -55,6 +44,7 @@ class ModelConfig:
     rotary_dim: int | None = None     # leading dims of a head that RoPE rotates; None: all (phi3 may rotate fewer)
     fused_qkv: bool = False           # one qkv_proj tensor holds q, k and v's rows (phi3)
     fused_gate_up: bool = False       # one gate_up_proj tensor holds gate's rows, then up's (phi3)
+    moe: MoEFacts | None = None       # the experts of the layers whose LayerFacts.sparse
 
     @classmethod
     def from_hf(cls, hf: PretrainedConfig) -> "ModelConfig":
@@ -76,6 +66,7 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         windows = family.windows(hf)
         rotary = rotary_dim(hf, head_dim)
+        moe, sparse = family.moe(hf) if family.moe else (None, (False,) * hf.num_hidden_layers)
         return cls(
             model_type=model_type,
             vocab_size=hf.vocab_size,
@@ -89,13 +80,14 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=family.qkv_bias or bool(getattr(hf, "attention_bias", False)),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            layers=tuple(LayerFacts(w, r) for w, r in zip(windows, layer_ropes)),
+            layers=tuple(LayerFacts(w, r, sp) for w, r, sp in zip(windows, layer_ropes, sparse)),
             ropes=tuple(RopeTable(tuple(inv.tolist()), scaling) for inv, scaling in ropes),
             max_position_embeddings=hf.max_position_embeddings,
             bos_token_id=getattr(hf, "bos_token_id", None),
             eos_token_ids=eos_ids,
             hidden_act=ACTIVATIONS[act],
             rotary_dim=None if rotary == head_dim else rotary,
+            moe=moe,
             **family.extras(hf, head_dim),
         )
 
@@ -112,6 +104,9 @@ class ModelConfig:
         if self.num_kv_heads % world_size and world_size % self.num_kv_heads:
             raise ValueError(f"cannot shard {self.num_kv_heads} key-value heads over {world_size} shards "
                              f"(the shard count must divide them or be a multiple of them)")
-        if self.intermediate_size % world_size:
-            raise ValueError(f"cannot shard an intermediate size of {self.intermediate_size} "
-                             f"over {world_size} shards")
+        sizes = [self.intermediate_size]
+        if self.moe is not None:
+            sizes += [self.moe.intermediate_size, self.moe.shared_intermediate_size]
+        for size in sizes:
+            if size % world_size:
+                raise ValueError(f"cannot shard an intermediate size of {size} over {world_size} shards")

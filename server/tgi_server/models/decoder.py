@@ -1,10 +1,11 @@
-"""The dense decoder families (llama, mistral, qwen2, qwen3, smollm3,
-gemma3 text, phi3) on one flattened ragged batch.
+"""The decoder families (llama, mistral, qwen2, qwen3, smollm3, gemma3
+text, phi3, and with sparse mixture-of-experts MLPs mixtral, qwen2_moe,
+qwen3_moe) on one flattened ragged batch.
 
 They differ only in facts of ModelConfig (models/families.py says which each
 sets): sliding windows and RoPE tables per layer (and layers without RoPE,
 or RoPE on part of each head), fused qkv and gate_up tensors, q/k/v biases,
-q/k norms, Gemma's 1 + weight norms, norms after attention and
+q/k norms, which layers route tokens to experts, Gemma's 1 + weight norms, norms after attention and
 after the MLP, GELU-tanh, scaled embeddings, the attention scale, a soft cap
 on the logits, tied embeddings. Under tensor parallelism each layer loads
 this rank's slice; the model code only says which layers split by output
@@ -14,42 +15,14 @@ import torch
 from torch import nn
 
 from ..distributed import TensorParallel
-from ..layers.activation import gated_activation
 from ..layers.attention import Attention, ForwardContext, HeadShard
 from ..layers.embedding import Embedding, LMHead
-from ..layers.linear import Linear
+from ..layers.mlp import GatedMLP
+from ..layers.moe import SparseMoE
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 from ..weights.source import TensorSource
 from .config import ModelConfig
-
-
-class MLP(nn.Module):
-    """down(act(gate(x)) * up(x)), act silu (SwiGLU) or GELU-tanh (GeGLU);
-    gate and up share one GEMM.
-
-    Each rank holds its share of the intermediate size (gate/up column-parallel,
-    down row-parallel)."""
-
-    def __init__(self, gate_up: Linear, down: Linear, act: str):
-        super().__init__()
-        self.gate_up, self.down = gate_up, down
-        self.act = act
-
-    @classmethod
-    def load(cls, weights: TensorSource, prefix: str, config: ModelConfig, tp: TensorParallel) -> "MLP":
-        start, stop = tp.split(config.intermediate_size)
-        if config.fused_gate_up:  # gate's rows, then up's, in one tensor
-            inter = config.intermediate_size
-            parts = [(f"{prefix}.gate_up_proj", start, stop), (f"{prefix}.gate_up_proj", inter + start, inter + stop)]
-        else:
-            parts = [(f"{prefix}.gate_proj", start, stop), (f"{prefix}.up_proj", start, stop)]
-        gate_up = Linear.load_column(weights, parts, config.mlp_bias)
-        down = Linear.load_row(weights, f"{prefix}.down_proj", config.intermediate_size, config.mlp_bias, tp)
-        return cls(gate_up, down, config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(gated_activation(self.gate_up(x), self.act))  # gate_up: [T, 2 I / world_size]
 
 
 def _norm(weights: TensorSource, name: str, config: ModelConfig) -> RMSNorm:
@@ -77,7 +50,13 @@ class DecoderLayer(nn.Module):
         else:
             self.attn_out_norm = self.mlp_out_norm = None
             self.mlp_in_norm = _norm(weights, f"{prefix}.post_attention_layernorm", config)
-        self.mlp = MLP.load(weights, f"{prefix}.mlp", config, tp)
+        if facts.sparse:
+            moe = config.moe
+            self.mlp = SparseMoE.load(weights, f"{prefix}.{moe.block}", moe, config.hidden_act, tp)
+        else:
+            names = "gate_up_proj" if config.fused_gate_up else ("gate_proj", "up_proj", "down_proj")
+            self.mlp = GatedMLP.load(weights, f"{prefix}.mlp", names, config.intermediate_size, config.mlp_bias,
+                                     config.hidden_act, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 rotations: list[tuple[torch.Tensor, torch.Tensor]], ctx: ForwardContext

@@ -1,6 +1,7 @@
-"""What each dense `model_type` sets in ModelConfig: its activations, its
-windows, its RoPE tables and which layer reads which, and the mechanisms it
-adds (q/k norms, Gemma's norms and scales). models/config.py reads these;
+"""What each `model_type` sets in ModelConfig: its activations, its
+windows, its RoPE tables and which layer reads which, its experts and which
+layers route to them, and the mechanisms it adds (q/k norms, Gemma's norms
+and scales). models/config.py reads these;
 the decoder only ever sees the resulting facts."""
 
 from collections.abc import Callable
@@ -10,6 +11,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ..layers.rotary import rope_parameters
+from .facts import MoEFacts
 
 # transformers' activation names -> the decoder's
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -56,6 +58,24 @@ def _gemma3(hf: PretrainedConfig, head_dim: int) -> dict:
                 final_logit_softcap=getattr(hf, "final_logit_softcapping", None))
 
 
+def _mixtral_moe(hf: PretrainedConfig) -> tuple[MoEFacts, tuple[bool, ...]]:
+    moe = MoEFacts(hf.num_local_experts, hf.num_experts_per_tok, hf.intermediate_size, True, 0,
+                   "block_sparse_moe", ("w1", "w3", "w2"))
+    return moe, (True,) * hf.num_hidden_layers
+
+
+def _qwen_moe(hf: PretrainedConfig) -> tuple[MoEFacts, tuple[bool, ...]]:
+    """qwen2_moe / qwen3_moe: a layer routes to experts unless it is in
+    mlp_only_layers or off the decoder_sparse_step grid (transformers' rule)."""
+    experts = getattr(hf, "num_experts", None) or hf.num_local_experts
+    moe = MoEFacts(experts, hf.num_experts_per_tok, hf.moe_intermediate_size, bool(hf.norm_topk_prob),
+                   getattr(hf, "shared_expert_intermediate_size", 0) or 0, "mlp",
+                   ("gate_proj", "up_proj", "down_proj"))
+    only = set(getattr(hf, "mlp_only_layers", None) or ())
+    step = getattr(hf, "decoder_sparse_step", 1) or 1
+    return moe, tuple(i not in only and experts > 0 and (i + 1) % step == 0 for i in range(hf.num_hidden_layers))
+
+
 @dataclass(frozen=True)
 class Family:
     activations: tuple[str, ...] = ("silu",)
@@ -63,6 +83,7 @@ class Family:
     windows: Callable[[PretrainedConfig], tuple[int, ...]] = _windows
     ropes: Callable[[PretrainedConfig, int], Ropes] = _one_rope
     extras: Callable[[PretrainedConfig, int], dict] = field(default=lambda hf, head_dim: {})
+    moe: Callable[[PretrainedConfig], tuple] | None = None  # (MoEFacts, which layers are sparse)
 
 
 FAMILIES: dict[str, Family] = {
@@ -72,5 +93,8 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family(extras=lambda hf, head_dim: {"qk_norm": True}),
     "smollm3": Family(ropes=_smollm3_ropes),
     "phi3": Family(extras=lambda hf, head_dim: {"fused_qkv": True, "fused_gate_up": True}),
+    "mixtral": Family(moe=_mixtral_moe),
+    "qwen2_moe": Family(qkv_bias=True, moe=_qwen_moe),
+    "qwen3_moe": Family(extras=lambda hf, head_dim: {"qk_norm": True}, moe=_qwen_moe),
     "gemma3_text": Family(activations=("gelu_pytorch_tanh",), ropes=_per_layer_type_ropes, extras=_gemma3),
 }
