@@ -15,6 +15,7 @@ from fastapi import Request
 from . import protocol as p
 from .engine import Engine
 from .errors import GenerationError, OverloadedError, TGIError, UnhealthyError
+from .reasoning import ReasoningParser
 from .request_stream import ErrorEvent, RequestStream, StreamEvent, Timings
 from .validation import ValidationLimits, ValidGenerateRequest
 
@@ -31,6 +32,7 @@ class ApiSettings:
     payload_limit: int
     compute_type: str          # "cpu", "gpu+optimized", ... (TGI's x-compute-type)
     protect_metrics: bool = False  # with api_key: /metrics and /info need it too
+    reasoning: ReasoningParser | None = None  # --reasoning-parser: thoughts apart from content
 
 
 class ServerState:

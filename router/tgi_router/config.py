@@ -19,6 +19,8 @@ from typing import Any, Callable
 
 # TGI: float16, bfloat16. Ours: float32 for CPUs without bf16, float64 for exact
 # comparisons across configurations (tensor-parallel ranks sum in another order).
+from .reasoning import STYLES as REASONING_STYLES
+
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 QUANTIZE = ("awq", "compressed-tensors", "eetq", "exl2", "gptq", "marlin", "bitsandbytes",
             "bitsandbytes-nf4", "bitsandbytes-fp4", "fp8")
@@ -73,6 +75,7 @@ class RouterConfig:
     step_timeout: float = 120.0    # seconds a shard may take for one step before it counts as hung; 0: none
     request_read_timeout: float = 60.0  # seconds a request (headers and body) may take to arrive; 0: none
     protect_metrics: bool = False  # with --api-key, /metrics and /info need the key too
+    reasoning_parser: str | None = None  # "qwen3" | "deepseek_r1": thoughts as reasoning_content
     log_level: str = "info"        # env LOG_LEVEL, as TGI
     prefix_caching: bool = True    # env PREFIX_CACHING=0 (or false) turns it off, as TGI; no flag
     ignored_flags: tuple[str, ...] = ()  # TGI flags accepted without effect here
@@ -186,6 +189,8 @@ _FLAGS = (
           "before its connection is closed (408): slow clients cannot hold sockets (default: 60; 0: no deadline)"),
     _Flag("protect_metrics", None, "[ours] with --api-key, /metrics and /info need the key too "
           "(/health stays open)"),
+    _Flag("reasoning_parser", _choice(REASONING_STYLES), "[ours] return a reasoning model's thoughts "
+          "(between <think> and </think>) as reasoning_content on the chat routes: qwen3 or deepseek_r1"),
 )
 
 # TGI flags that have no effect here: accepted (and logged) so that a TGI

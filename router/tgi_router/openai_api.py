@@ -23,6 +23,7 @@ from .openai_stream import (ResponseMeta, chat_chunks, chat_token_logprobs, comp
                             finish_reason, usage)
 from .request_stream import RequestStream, SequenceResult
 from .responses import timing_headers
+from .reasoning import ReasoningParser
 from .tool_calls import ToolPlan, new_call_id, parse_tool_call
 from .validation import check_input_chars, tokenize_text
 
@@ -67,12 +68,13 @@ def add_openai_routes(app: FastAPI, gate: Gate) -> None:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return sse(admitted, chat_chunks(gate, admitted, meta, prepared[0].tools, body.logprobs,
-                                             include_usage, tokenizer))
+                                             include_usage, tokenizer, settings.reasoning))
         try:
             await gate.wait(request, admitted)
         finally:
             admitted.close()
-        choices = [_chat_choice(i, s, prepared[0].tools, body.logprobs) for i, s in enumerate(admitted.streams)]
+        choices = [_chat_choice(i, s, prepared[0].tools, body.logprobs, settings.reasoning)
+                   for i, s in enumerate(admitted.streams)]
         answer = o.ChatCompletion(id=meta.id, created=meta.created, model=model_id, system_fingerprint=fingerprint,
                                   choices=choices, usage=usage(admitted.streams, len(admitted.streams)))
         return JSONResponse(answer.model_dump(mode="json"),
@@ -135,14 +137,18 @@ def _result(stream: RequestStream) -> SequenceResult:
     return stream.best()[0]
 
 
-def _chat_choice(index: int, stream: RequestStream, tools: ToolPlan, logprobs: bool) -> o.ChatChoice:
+def _chat_choice(index: int, stream: RequestStream, tools: ToolPlan, logprobs: bool,
+                 reasoning: ReasoningParser | None) -> o.ChatChoice:
     result = _result(stream)
-    call = parse_tool_call(result.generated_text) if tools.grammar is not None else None
+    thoughts, text = reasoning.split(result.generated_text) if reasoning else (None, result.generated_text)
+    call = parse_tool_call(text) if tools.grammar is not None else None
     if call is not None:
         message = {"role": "assistant", "content": None, "tool_calls": [
             {"id": new_call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]}
     else:
-        message = {"role": "assistant", "content": result.generated_text}
+        message = {"role": "assistant", "content": text}
+    if thoughts is not None:
+        message["reasoning_content"] = thoughts
     return o.ChatChoice.model_validate({
         "index": index, "message": message,
         "logprobs": {"content": chat_token_logprobs(result.tokens, result.top_tokens)} if logprobs else None,

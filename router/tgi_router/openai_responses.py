@@ -78,10 +78,13 @@ class ChoiceLogprobs(_Response):
 
 
 class AssistantMessage(_Response):
-    """`content` is written as null for a message that only calls tools."""
-    omit_if_none = ("tool_calls",)
+    """`content` is written as null for a message that only calls tools;
+    `reasoning_content` (vLLM's field: the thoughts, with --reasoning-parser)
+    only when the answer had thoughts."""
+    omit_if_none = ("tool_calls", "reasoning_content")
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -119,9 +122,10 @@ class ToolCallDelta(_Response):
 
 
 class ChunkDelta(_Response):
-    omit_if_none = ("role", "content", "tool_calls")
+    omit_if_none = ("role", "content", "reasoning_content", "tool_calls")
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

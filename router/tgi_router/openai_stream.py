@@ -18,6 +18,7 @@ from .admission import Admitted, Gate
 from .errors import GenerationError, error_response
 from .request_stream import ErrorEvent, RequestStream, SequenceResult, TokenOut
 from .sequence import FinishReason
+from .reasoning import ReasoningParser
 from .sse import compact_json
 from .tool_calls import ToolCallStream, ToolPlan, new_call_id, parse_tool_call
 
@@ -94,9 +95,11 @@ def _error(event: ErrorEvent) -> bytes:
 
 
 async def chat_chunks(gate: Gate, admitted: Admitted, meta: ResponseMeta, tools: ToolPlan, logprobs: bool,
-                      include_usage: bool, tokenizer) -> AsyncIterator[bytes]:
+                      include_usage: bool, tokenizer, reasoning: ReasoningParser | None = None
+                      ) -> AsyncIterator[bytes]:
     n = len(admitted.streams)
     splitters = [ToolCallStream(may_call=tools.grammar is not None) for _ in range(n)]
+    thinkers = [reasoning.stream() for _ in range(n)] if reasoning else None
     call_ids = [new_call_id() for _ in range(n)]
 
     common = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
@@ -118,12 +121,20 @@ async def chat_chunks(gate: Gate, admitted: Admitted, meta: ResponseMeta, tools:
             yield _error(event)
             return
         lp = chat_token_logprobs([event.token], [event.top_tokens]) if logprobs else None
-        parts = splitters[i].feed(content_text(event.token, tokenizer))
+        text = content_text(event.token, tokenizer)
+        if thinkers is None:
+            pieces = [("content", text)]
+        else:  # the thoughts go out as they are; the answer on to the tool-call splitter
+            pieces = thinkers[i].feed(text) + (thinkers[i].finish() if event.result is not None else [])
+        parts = [p for kind, value in pieces
+                 for p in ([(kind, value)] if kind == "reasoning" else splitters[i].feed(value))]
         if event.result is not None:
             parts += splitters[i].finish()
         deltas = []
         for kind, value in parts:
-            if kind == "content":
+            if kind == "reasoning":
+                deltas.append({"reasoning_content": value})
+            elif kind == "content":
                 deltas.append({"content": value})
             elif kind == "name":
                 deltas.append({"tool_calls": [{"index": 0, "id": call_ids[i], "type": "function",
@@ -133,12 +144,13 @@ async def chat_chunks(gate: Gate, admitted: Admitted, meta: ResponseMeta, tools:
         if not deltas and lp is not None and not splitters[i].is_call:
             deltas.append({"content": ""})  # the token's logprobs still arrive
         for k, delta in enumerate(deltas):
-            if lp is None and "content" in delta:  # a token's text: the common chunk
+            if lp is None and ("content" in delta or "reasoning_content" in delta):  # a token's text: the common chunk
                 yield frame.event(choice(i, delta))
             else:
                 yield chunk([choice(i, delta, lp if k == 0 else None)])
         if event.result is not None:
-            called = splitters[i].is_call and parse_tool_call(event.result.generated_text) is not None
+            answer = reasoning.split(event.result.generated_text)[1] if reasoning else event.result.generated_text
+            called = splitters[i].is_call and parse_tool_call(answer) is not None
             yield chunk([choice(i, {}, finish=finish_reason(event.result, called))])
     if include_usage:
         yield chunk([], usage(admitted.streams, n))

@@ -20,6 +20,7 @@ from .engine import Engine
 from .input_bound import max_chars_per_token
 from .metrics import Metrics
 from .read_deadline import ReadDeadlineProtocol
+from .reasoning import ReasoningParser
 from .scheduler import Scheduler
 from .tokenizer import RouterTokenizer
 from .validation import ValidationLimits
@@ -116,7 +117,8 @@ async def _build(config: RouterConfig, client: ShardClient):
         max_concurrent_requests=config.max_concurrent_requests, api_key=config.api_key,
         cors_allow_origin=tuple(config.cors_allow_origin), payload_limit=config.payload_limit,
         compute_type="gpu+optimized" if info.device.startswith("cuda") else "cpu",
-        protect_metrics=config.protect_metrics)
+        protect_metrics=config.protect_metrics,
+        reasoning=ReasoningParser(config.reasoning_parser) if config.reasoning_parser else None)
     state = ServerState()
     return engine, create_app(engine, settings, metrics, state), state
 
