@@ -94,6 +94,10 @@ class ModelRunner:
         sizes = graph_batch_sizes(self.cuda_graph_sizes, max_batch_size)
         if self.device.type != "cuda" or not sizes:
             return None
+        if self.config.moe is not None:
+            log.info("CUDA graphs off: mixture-of-experts blocks read how many tokens each expert got "
+                     "on the host, which a graph cannot replay")
+            return None
         if not backend_supports_graphs(self.backend, self.block_size):
             log.info("CUDA graphs off: the %s backend (block size %d) gathers whole block tables",
                      self.backend, self.block_size)

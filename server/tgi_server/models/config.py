@@ -1,9 +1,9 @@
 """The facts our model code needs, read once from a transformers config.
 
-Everything that differs between the dense families we serve is a fact here,
-per model or per layer (window, RoPE table, whether RoPE applies), so one
-decoder (models/decoder.py) serves them all; models/families.py says what
-each `model_type` sets."""
+Everything that differs between the families we serve is a fact here, per
+model or per layer (window, RoPE table, whether RoPE applies, whether its MLP
+is a mixture of experts; models/facts.py), so one decoder (models/decoder.py)
+serves them all; models/families.py says what each `model_type` sets."""
 
 from dataclasses import dataclass
 
