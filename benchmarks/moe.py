@@ -71,6 +71,8 @@ def profile_decode(path: Path, dtype: torch.dtype, batch_prompts: list[list[int]
     """The torch profiler's table of PROFILED_STEPS decode steps at batch 32."""
     config, weights = open_checkpoint(resolve_model(str(path)), dtype, CPU, None)
     runner = ModelRunner(load_model(config, weights, TensorParallel()), 16, None, 256 << 20, None)
+    runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=len(batch_prompts) * PROMPT_TOKENS,
+                                   max_batch_size=len(batch_prompts)))
     blocks = -(-(PROMPT_TOKENS + 2 * PROFILED_STEPS + 2) // 16)
     new = [pb.NewSequence(id=i + 1, token_ids=p, prompt_length=len(p), num_scheduled_tokens=len(p),
                           block_table=list(range(i * blocks, (i + 1) * blocks)), parameters=pb.SamplingParameters())

@@ -8,7 +8,6 @@ from .config import ModelConfig
 from .decoder import DecoderForCausalLM
 from .families import FAMILIES
 
-SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 MODELS: dict[str, type[nn.Module]] = {name: DecoderForCausalLM for name in FAMILIES}
 
 
@@ -17,4 +16,4 @@ def build_model(weights: TensorSource, config: ModelConfig, tp: TensorParallel) 
     return MODELS[config.model_type](weights, config, tp)
 
 
-__all__ = ["MODELS", "ModelConfig", "SUPPORTED_MODEL_TYPES", "build_model"]
+__all__ = ["MODELS", "ModelConfig", "build_model"]
