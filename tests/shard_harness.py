@@ -44,6 +44,13 @@ TINY_EXTRA = {
                                          "full_attention": {"rope_type": "linear", "rope_theta": 1e6,
                                                             "factor": 4.0}},
                         final_logit_softcapping=30.0, tie_word_embeddings=True),
+    # gemma3's norms and scales without q/k norms, local and global layers
+    # alternating, attention scores capped softly (a cap of 2 bites on these
+    # random weights), logits too
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=24, num_hidden_layers=3,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   attn_logit_softcapping=2.0, final_logit_softcapping=30.0, rope_theta=10000.0,
+                   tie_word_embeddings=True),
     # fused qkv and gate_up tensors, RoPE on half of each head (longrope's
     # short factors below its original 256 positions), windows of 24
     "phi3": dict(sliding_window=24, max_position_embeddings=512, pad_token_id=None,
@@ -70,6 +77,7 @@ HF_CLASSES = {
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
     "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),

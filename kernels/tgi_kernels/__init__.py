@@ -1,14 +1,15 @@
 """Attention kernels over a paged KV cache, with interchangeable backends.
 
 Public API: store_kv, rotary_store_kv, fuses_rotary, paged_decode, varlen_prefill, select_backend,
-available_backends, and the metadata types PrefillMeta / DecodeMeta.
+available_backends, SOFTCAP_BACKENDS, and the metadata types PrefillMeta / DecodeMeta.
 """
 
-from .attention import available_backends, paged_decode, select_backend, varlen_prefill
+from .attention import SOFTCAP_BACKENDS, available_backends, paged_decode, select_backend, varlen_prefill
 from .kv_store import fuses_rotary, rotary_store_kv, store_kv
 from .metadata import DecodeMeta, PrefillMeta, build_decode_meta, build_prefill_meta
 
 __all__ = [
+    "SOFTCAP_BACKENDS",
     "DecodeMeta",
     "PrefillMeta",
     "available_backends",

@@ -29,16 +29,18 @@ class AttentionBackend(Protocol):
     contracts, minus the `backend` argument (tests check every module's signatures)."""
 
     def paged_decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: DecodeMeta, scale: float, sliding_window: int = 0) -> torch.Tensor: ...
+                     meta: DecodeMeta, scale: float, sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor: ...
 
     def varlen_prefill(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PrefillMeta, scale: float,
-                       sliding_window: int = 0) -> torch.Tensor: ...
+                       sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor: ...
 
 
 BACKENDS: dict[str, AttentionBackend] = {
     "reference": reference, "sdpa": sdpa, "cpu": cpu, "flash_attn": flash, "triton": triton_backend,
 }
+# Those that cap scores softly (gemma2's attn_logit_softcapping); triton does not yet.
+SOFTCAP_BACKENDS = ("reference", "sdpa", "cpu", "flash_attn")
 
 
 def available_backends(device: torch.device) -> list[str]:
@@ -89,6 +91,7 @@ def paged_decode(
     scale: float,
     sliding_window: int = 0,
     backend: str | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context.
 
@@ -96,10 +99,12 @@ def paged_decode(
     the current token; H a multiple of KVH (query head h reads kv head h // (H // KVH)).
     Query b sits at position seq_lens[b] - 1 and sees keys j with
     seq_lens[b] - 1 - sliding_window < j <= seq_lens[b] - 1 (no lower bound when
-    sliding_window is 0). Returns out [B, H, D] in query's dtype.
+    sliding_window is 0). softcap > 0: each scaled score s becomes
+    softcap * tanh(s / softcap) before the softmax (SOFTCAP_BACKENDS only).
+    Returns out [B, H, D] in query's dtype.
     """
     impl = _backend(query.device, backend)
-    return impl.paged_decode(query, k_cache, v_cache, meta, scale, sliding_window)
+    return impl.paged_decode(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
 
 
 def varlen_prefill(
@@ -112,13 +117,14 @@ def varlen_prefill(
     scale: float,
     sliding_window: int = 0,
     backend: str | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of a packed batch of chunks, each after an optional cached prefix.
 
     query [T, H, D]; key/value [T, KVH, D] for the chunk tokens, which are also already
     in the cache. Query token i of sequence b sits at position p = prefix_lens[b] + i
     and sees keys j with p - sliding_window < j <= p; keys j < prefix_lens[b] are read
-    from the cache. Returns out [T, H, D] in query's dtype.
+    from the cache. softcap as in paged_decode. Returns out [T, H, D] in query's dtype.
     """
     impl = _backend(query.device, backend)
-    return impl.varlen_prefill(query, key, value, k_cache, v_cache, meta, scale, sliding_window)
+    return impl.varlen_prefill(query, key, value, k_cache, v_cache, meta, scale, sliding_window, softcap)

@@ -32,12 +32,13 @@ def paged_decode(
     meta: DecodeMeta,
     scale: float,
     sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """query [B, H, D] -> out [B, H, D]; see tgi_kernels.paged_decode."""
     if query.dtype != k_cache.dtype:
-        return sdpa.paged_decode(query, k_cache, v_cache, meta, scale, sliding_window)
+        return sdpa.paged_decode(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
     return native_ops().paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                     sliding_window)
+                                     sliding_window, softcap)
 
 
 def varlen_prefill(
@@ -49,6 +50,7 @@ def varlen_prefill(
     meta: PrefillMeta,
     scale: float,
     sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D] -> out [T, H, D]; see tgi_kernels.varlen_prefill.
     All chunks in one call of our kernel (csrc/prefill.cpp; built where the CPU
@@ -57,8 +59,8 @@ def varlen_prefill(
     if (query.dtype == k_cache.dtype and query.dtype != torch.float64 and query.shape[-1] % 16 == 0
             and hasattr(ops, "varlen_prefill")):
         return ops.varlen_prefill(query, key, value, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                  meta.prefix_lens, scale, sliding_window)
-    return sdpa.varlen_prefill(query, key, value, k_cache, v_cache, meta, scale, sliding_window)
+                                  meta.prefix_lens, scale, sliding_window, softcap)
+    return sdpa.varlen_prefill(query, key, value, k_cache, v_cache, meta, scale, sliding_window, softcap)
 
 
 def rotary_store_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, num_heads: int,

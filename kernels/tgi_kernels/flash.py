@@ -57,14 +57,14 @@ def paged_decode(
     meta: DecodeMeta,
     scale: float,
     sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """query [B, H, D] -> out [B, H, D]; see tgi_kernels.paged_decode."""
     if query.dtype not in _DTYPES or query.shape[0] == 0:
-        return sdpa.paged_decode(query, k_cache, v_cache, meta, scale, sliding_window)
+        return sdpa.paged_decode(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
     block_size = k_cache.shape[1]
-    common = dict(
-        cache_seqlens=meta.seq_lens, softmax_scale=scale, causal=True, window_size=_window(sliding_window)
-    )
+    common = dict(cache_seqlens=meta.seq_lens, softmax_scale=scale, causal=True, window_size=_window(sliding_window),
+                  softcap=softcap)
     q = query.unsqueeze(1)  # [B, 1, H, D]
     if block_size % PAGED_BLOCK_MULTIPLE == 0:
         out = _flash().flash_attn_with_kvcache(q, k_cache, v_cache, block_table=meta.block_tables, **common)
@@ -109,11 +109,12 @@ def varlen_prefill(
     meta: PrefillMeta,
     scale: float,
     sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D] -> out [T, H, D]; see tgi_kernels.varlen_prefill."""
     if query.dtype not in _DTYPES or query.shape[0] == 0:
-        return sdpa.varlen_prefill(query, key, value, k_cache, v_cache, meta, scale, sliding_window)
-    common = dict(softmax_scale=scale, causal=True, window_size=_window(sliding_window))
+        return sdpa.varlen_prefill(query, key, value, k_cache, v_cache, meta, scale, sliding_window, softcap)
+    common = dict(softmax_scale=scale, causal=True, window_size=_window(sliding_window), softcap=softcap)
     if not any(meta.prefix_lens_list):
         cu, n = meta.cu_seqlens_q, meta.max_query_len
         return _flash().flash_attn_varlen_func(query, key, value, cu, cu, n, n, **common)

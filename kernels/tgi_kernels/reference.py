@@ -41,6 +41,7 @@ def attend(
     q_pos: torch.Tensor,
     scale: float,
     sliding_window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Masked softmax attention of one sequence, computed in float32.
 
@@ -51,6 +52,8 @@ def attend(
     k = k.float().repeat_interleave(group, dim=1)  # [m, H, D]
     v = v.float().repeat_interleave(group, dim=1)  # [m, H, D]
     scores = torch.einsum("nhd,mhd->hnm", q.float(), k) * scale  # [H, n, m]
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     mask = attention_mask(q_pos, k.shape[0], sliding_window)  # [n, m]
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # [H, n, m]
@@ -65,13 +68,14 @@ def paged_decode(
     meta: DecodeMeta,
     scale: float,
     sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """query [B, H, D] -> out [B, H, D]; see tgi_kernels.paged_decode."""
     out = torch.empty_like(query)  # [B, H, D]
     for b, n in enumerate(meta.seq_lens.tolist()):
         k, v = read_context(k_cache, v_cache, meta.block_tables[b], n)
         q_pos = torch.tensor([n - 1], device=query.device)
-        out[b] = attend(query[b : b + 1], k, v, q_pos, scale, sliding_window)[0]
+        out[b] = attend(query[b : b + 1], k, v, q_pos, scale, sliding_window, softcap)[0]
     return out
 
 
@@ -84,6 +88,7 @@ def varlen_prefill(
     meta: PrefillMeta,
     scale: float,
     sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D] -> out [T, H, D]; see tgi_kernels.varlen_prefill."""
     out = torch.empty_like(query)  # [T, H, D]
@@ -96,5 +101,5 @@ def varlen_prefill(
             k = torch.cat([k_prefix, k])  # [prefix + n, KVH, D]
             v = torch.cat([v_prefix, v])
         q_pos = prefix + torch.arange(n, device=query.device)  # [n]
-        out[s:e] = attend(query[s:e], k, v, q_pos, scale, sliding_window)
+        out[s:e] = attend(query[s:e], k, v, q_pos, scale, sliding_window, softcap)
     return out

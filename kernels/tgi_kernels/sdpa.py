@@ -12,6 +12,8 @@ with is_causal when nothing but the chunk is visible and an explicit mask when
 a cached prefix or a sliding window is involved. GQA there uses enable_gqa,
 which measured faster than repeat_interleave copies.
 
+SDPA has no soft cap: with softcap > 0 (gemma2) the same layouts go through
+`_capped` instead, the scores written out, capped, masked and softmaxed.
 Requirement: every slot of the KV cache holds a finite value (allocate it with
 torch.zeros, not torch.empty). Masked positions get probability 0, but 0 * NaN
 is still NaN in the value matmul.
@@ -40,6 +42,18 @@ def decode_block_ids(meta: DecodeMeta, block_size: int) -> torch.Tensor:
     return meta.block_tables[:, :num_blocks].reshape(-1)
 
 
+def _capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            softcap: float) -> torch.Tensor:
+    """Attention with softly capped scores: q [B, H, n, D], k/v [B, KVH, m, D]
+    (query head h reads kv head h // (H // KVH)), mask broadcastable to
+    [B, H, n, m] (True: attend) -> [B, H, n, D]; the softmax in float32."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B, H, m, D]
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, H, n, m]
+    scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+
+
 def paged_decode(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -47,6 +61,7 @@ def paged_decode(
     meta: DecodeMeta,
     scale: float,
     sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """query [B, H, D] -> out [B, H, D]; see tgi_kernels.paged_decode."""
     batch, heads, head_dim = query.shape
@@ -56,6 +71,8 @@ def paged_decode(
     ids, mask = _decode_layout(meta, block_size, sliding_window)
     k = gather_blocks(k_cache, ids, batch).transpose(1, 2)  # [B, KVH, L, D]
     v = gather_blocks(v_cache, ids, batch).transpose(1, 2)  # [B, KVH, L, D]
+    if softcap > 0:
+        return _capped(query[:, :, None], k, v, mask, scale, softcap).reshape(batch, heads, head_dim)
     # Query heads h = kvh * G + g share KV head kvh: fold g into the query-length axis.
     q = query.reshape(batch, kv_heads, heads // kv_heads, head_dim)  # [B, KVH, G, D]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, KVH, G, D]
@@ -102,11 +119,12 @@ def _prefill_one(
     prefix: int,
     scale: float,
     sliding_window: int,
+    softcap: float,
 ) -> torch.Tensor:
     """Attention of one sequence's chunk: query [n, H, D], key/value [n, KVH, D] -> [n, H, D]."""
     # SDPA gets 4-D inputs: on CPU, 3-D ones miss the flash kernel and run ~10x slower.
     q = query.transpose(0, 1)[None]  # [1, H, n, D]
-    if prefix == 0 and sliding_window == 0:
+    if prefix == 0 and sliding_window == 0 and softcap == 0:
         k, v = key.transpose(0, 1)[None], value.transpose(0, 1)[None]  # [1, KVH, n, D]
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)  # [1, H, n, D]
         return out[0].transpose(0, 1)
@@ -126,7 +144,10 @@ def _prefill_one(
     if sliding_window > 0:
         mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
     k, v = key.transpose(0, 1)[None], value.transpose(0, 1)[None]  # [1, KVH, m, D]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)  # [1, H, n, D]
+    if softcap > 0:
+        out = _capped(q, k, v, mask, scale, softcap)  # [1, H, n, D]
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
 
 
@@ -139,6 +160,7 @@ def varlen_prefill(
     meta: PrefillMeta,
     scale: float,
     sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D] -> out [T, H, D]; see tgi_kernels.varlen_prefill."""
     out = torch.empty_like(query)  # [T, H, D]
@@ -147,7 +169,7 @@ def varlen_prefill(
         end = start + n
         out[start:end] = _prefill_one(
             query[start:end], key[start:end], value[start:end],
-            k_cache, v_cache, meta.block_tables[b], prefix, scale, sliding_window,
+            k_cache, v_cache, meta.block_tables[b], prefix, scale, sliding_window, softcap,
         )
         start = end
     return out

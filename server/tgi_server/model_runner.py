@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from tgi_kernels import select_backend
+from tgi_kernels import SOFTCAP_BACKENDS, select_backend
 from tgi_proto import pb
 
 from .batch import StepBatch, build_batch
@@ -46,6 +46,9 @@ class ModelRunner:
         self.samples = self.tp.rank == 0
         self.block_size = block_size
         self.backend = select_backend(self.device, attention_backend)
+        if self.config.attn_softcap and self.backend not in SOFTCAP_BACKENDS:
+            raise ValueError(f"the {self.backend} attention backend cannot cap attention scores "
+                             f"(this {self.config.model_type} model does); use one of {', '.join(SOFTCAP_BACKENDS)}")
         self.kv_cache_bytes = kv_cache_bytes  # the shard's flag, per rank; 0 = automatic
         self.sampler = Sampler()
         self.grammars = grammars

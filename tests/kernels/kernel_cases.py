@@ -86,8 +86,9 @@ def make_decode_case(seq_lens: list[int], **kwargs) -> PagedCase:
     return make_case([1] * len(seq_lens), [n - 1 for n in seq_lens], **kwargs)
 
 
-def naive_attention(q, k, v, q_positions, scale, sliding_window=0) -> torch.Tensor:
-    """Softmax attention written out score by score, in float64.
+def naive_attention(q, k, v, q_positions, scale, sliding_window=0, softcap=0.0) -> torch.Tensor:
+    """Softmax attention written out score by score, in float64; softcap > 0:
+    each score s capped to softcap * tanh(s / softcap).
 
     q [n, H, D]; k/v [m, KVH, D] for positions 0..m-1; q_positions: python ints.
     """
@@ -100,6 +101,8 @@ def naive_attention(q, k, v, q_positions, scale, sliding_window=0) -> torch.Tens
         for h in range(heads):
             kvh = h // group
             scores = [float(q[i, h] @ k[j, kvh]) * scale for j in visible]
+            if softcap:
+                scores = [softcap * math.tanh(s / softcap) for s in scores]
             top = max(scores)
             weights = [math.exp(s - top) for s in scores]
             total = sum(weights)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from .kernel_cases import make_case, make_decode_case, naive_attention
-from tgi_kernels import available_backends, paged_decode, varlen_prefill
+from tgi_kernels import SOFTCAP_BACKENDS, available_backends, paged_decode, varlen_prefill
 
 CPU = torch.device("cpu")
 # triton runs its own sweep of representative shapes (test_triton_kernels.py): the
@@ -30,58 +30,58 @@ DECODE_SCENARIOS = {
 # --- the reference against a hand-written softmax ---------------------------------
 
 
-@pytest.mark.parametrize("sliding_window", [0, 3])
-def test_reference_prefill_matches_naive_dense_attention(sliding_window):
+@pytest.mark.parametrize("sliding_window, softcap", [(0, 0.0), (3, 0.0), (3, 0.5)])
+def test_reference_prefill_matches_naive_dense_attention(sliding_window, softcap):
     case = make_case([4, 3], [0, 5], heads=4, kv_heads=2, head_dim=8, block_size=2, seed=1)
     out = varlen_prefill(
         case.query, case.key, case.value, case.k_cache, case.v_cache, case.prefill,
-        scale=0.3, sliding_window=sliding_window, backend="reference",
+        scale=0.3, sliding_window=sliding_window, backend="reference", softcap=softcap,
     )
     start = 0
     for n, prefix, k, v in zip(case.query_lens, case.prefix_lens, case.contexts_k, case.contexts_v):
         positions = list(range(prefix, prefix + n))
-        want = naive_attention(case.query[start : start + n], k, v, positions, 0.3, sliding_window)
+        want = naive_attention(case.query[start : start + n], k, v, positions, 0.3, sliding_window, softcap)
         torch.testing.assert_close(out[start : start + n].double(), want, atol=1e-5, rtol=1e-5)
         start += n
 
 
-@pytest.mark.parametrize("sliding_window", [0, 3])
-def test_reference_decode_matches_naive_dense_attention(sliding_window):
+@pytest.mark.parametrize("sliding_window, softcap", [(0, 0.0), (3, 0.0), (3, 0.5)])
+def test_reference_decode_matches_naive_dense_attention(sliding_window, softcap):
     case = make_decode_case([1, 5, 8], heads=6, kv_heads=2, head_dim=8, block_size=2, seed=2)
     out = paged_decode(
         case.query, case.k_cache, case.v_cache, case.decode,
-        scale=0.3, sliding_window=sliding_window, backend="reference",
+        scale=0.3, sliding_window=sliding_window, backend="reference", softcap=softcap,
     )
     for b, (k, v) in enumerate(zip(case.contexts_k, case.contexts_v)):
-        want = naive_attention(case.query[b : b + 1], k, v, [k.shape[0] - 1], 0.3, sliding_window)
+        want = naive_attention(case.query[b : b + 1], k, v, [k.shape[0] - 1], 0.3, sliding_window, softcap)
         torch.testing.assert_close(out[b : b + 1].double(), want, atol=1e-5, rtol=1e-5)
 
 
 # --- fast backends against the reference ------------------------------------------
 
 
-def _check_prefill(backend, scenario, group, head_dim, sliding_window, dtype, device):
+def _check_prefill(backend, scenario, group, head_dim, sliding_window, dtype, device, softcap=0.0):
     query_lens, prefix_lens, block_size = PREFILL_SCENARIOS[scenario]
     case = make_case(
         query_lens, prefix_lens, heads=2 * group, kv_heads=2, head_dim=head_dim,
         block_size=block_size, dtype=dtype, device=device, seed=group + head_dim,
     )
     args = (case.query, case.key, case.value, case.k_cache, case.v_cache, case.prefill, head_dim**-0.5)
-    want = varlen_prefill(*args, sliding_window=sliding_window, backend="reference")
-    got = varlen_prefill(*args, sliding_window=sliding_window, backend=backend)
+    want = varlen_prefill(*args, sliding_window=sliding_window, backend="reference", softcap=softcap)
+    got = varlen_prefill(*args, sliding_window=sliding_window, backend=backend, softcap=softcap)
     assert got.shape == case.query.shape and got.dtype == dtype
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
 
 
-def _check_decode(backend, scenario, group, head_dim, sliding_window, dtype, device):
+def _check_decode(backend, scenario, group, head_dim, sliding_window, dtype, device, softcap=0.0):
     seq_lens, block_size = DECODE_SCENARIOS[scenario]
     case = make_decode_case(
         seq_lens, heads=2 * group, kv_heads=2, head_dim=head_dim,
         block_size=block_size, dtype=dtype, device=device, seed=group * head_dim,
     )
     args = (case.query, case.k_cache, case.v_cache, case.decode, head_dim**-0.5)
-    want = paged_decode(*args, sliding_window=sliding_window, backend="reference")
-    got = paged_decode(*args, sliding_window=sliding_window, backend=backend)
+    want = paged_decode(*args, sliding_window=sliding_window, backend="reference", softcap=softcap)
+    got = paged_decode(*args, sliding_window=sliding_window, backend=backend, softcap=softcap)
     assert got.shape == case.query.shape and got.dtype == dtype
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
 
@@ -108,6 +108,23 @@ def test_prefill_backend_matches_reference(backend, scenario, group, head_dim, s
 @DTYPES
 def test_decode_backend_matches_reference(backend, scenario, group, head_dim, sliding_window, dtype):
     _check_decode(backend, scenario, group, head_dim, sliding_window, dtype, "cpu")
+
+
+# gemma2's soft cap on the scores (1.5: the random cases' scores reach past it)
+@pytest.mark.parametrize("backend", [b for b in FAST_CPU_BACKENDS if b in SOFTCAP_BACKENDS])
+@pytest.mark.parametrize("scenario", list(PREFILL_SCENARIOS))
+@SHAPES
+@DTYPES
+def test_prefill_backend_caps_scores_as_the_reference(backend, scenario, group, head_dim, dtype):
+    _check_prefill(backend, scenario, group, head_dim, 6, dtype, "cpu", softcap=1.5)
+
+
+@pytest.mark.parametrize("backend", [b for b in FAST_CPU_BACKENDS if b in SOFTCAP_BACKENDS])
+@pytest.mark.parametrize("scenario", list(DECODE_SCENARIOS))
+@SHAPES
+@DTYPES
+def test_decode_backend_caps_scores_as_the_reference(backend, scenario, group, head_dim, dtype):
+    _check_decode(backend, scenario, group, head_dim, 6, dtype, "cpu", softcap=1.5)
 
 
 # --- behaviours that hold for every backend -----------------------------------------

@@ -28,7 +28,7 @@ def engine_logits(runner, prompt: list[int]) -> torch.Tensor:
         return runner.model.logits(hidden, batch.logits_rows)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma3_text", "phi3",
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma2", "gemma3_text", "phi3",
                                         "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_tiny_models_match_transformers(tmp_path, model_type):
     path = save_tiny_model(model_type, tmp_path / model_type)

@@ -43,7 +43,7 @@ inline A online_softmax(A* s, int64_t n, A& m, A& l) {
 template <typename T, int64_t kD>
 void decode_one(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride, int64_t token_stride,
                 const int32_t* table, int64_t block_size, int64_t first, int64_t last, int64_t G,
-                int64_t head_dim, double scale, T* out) {
+                int64_t head_dim, double scale, double softcap, T* out) {
   using A = acc_t<T>;
   const int64_t D = kD ? kD : head_dim;
   A row[kMaxHeadDim];
@@ -71,7 +71,7 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, int64_t block_st
         A dot = 0;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
-        s[g * block_size + t] = dot;
+        s[g * block_size + t] = softcap > 0 ? soft_cap(dot, A(softcap)) : dot;
       }
     }
     for (int64_t g = 0; g < G; ++g) {
@@ -110,10 +110,11 @@ struct Rows {
 template <typename T, int64_t kD>
 void decode_heads(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride, int64_t token_stride,
                   const int32_t* table, int64_t block_size, int64_t first, int64_t last, int64_t hp, int64_t G,
-                  int64_t head_dim, double scale, T* out, const Rows& /*after*/) {
+                  int64_t head_dim, double scale, double softcap, T* out, const Rows& /*after*/) {
   for (int64_t i = 0; i < hp; ++i)
     decode_one<T, kD>(q + i * G * head_dim, k_cache + i * head_dim, v_cache + i * head_dim, block_stride,
-                      token_stride, table, block_size, first, last, G, head_dim, scale, out + i * G * head_dim);
+                      token_stride, table, block_size, first, last, G, head_dim, scale, softcap,
+                      out + i * G * head_dim);
 }
 
 #if TGI_VEC
@@ -130,7 +131,7 @@ constexpr int64_t kChunk = 16, kMaxRow = 1024;  // floats of one token's hp head
 template <typename T, int64_t kD>
 void decode_heads_vec(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride, int64_t token_stride,
                       const int32_t* table, int64_t block_size, int64_t first, int64_t last, int64_t hp, int64_t G,
-                      int64_t head_dim, double scale, T* out, const Rows& after) {
+                      int64_t head_dim, double scale, double softcap, T* out, const Rows& after) {
   using namespace vec;
   constexpr bool kFloat = std::is_same_v<T, float>;
   const int64_t D = kD ? kD : head_dim, nj = D / kWidth, QH = hp * G, row = hp * D;
@@ -191,7 +192,7 @@ void decode_heads_vec(const T* q, const T* k_cache, const T* v_cache, int64_t bl
       const float* qh = qf + h * D;
       float correction;
 #if defined(__AVX512F__)
-      if (kD != 0 && n == kChunk) {
+      if (kD != 0 && n == kChunk && softcap == 0) {
         // A whole chunk: 16 dot products as 16 vectors of partial sums, then
         // one transpose-reduce (sum16) gives the 16 scores, whose online
         // softmax step stays in one register (the scalar loop's call took a
@@ -222,7 +223,7 @@ void decode_heads_vec(const T* q, const T* k_cache, const T* v_cache, int64_t bl
           const float* kr = krow[t] + kv;
           R a = mul(load(qh), load(kr));
           for (int64_t j = 1; j < nj; ++j) a = fma(load(qh + j * kWidth), load(kr + j * kWidth), a);
-          s[t] = sum(a);
+          s[t] = softcap > 0 ? soft_cap(sum(a), float(softcap)) : sum(a);
         }
         correction = online_softmax(s, n, m[h], l[h]);
       }
@@ -291,10 +292,11 @@ void rotary_store_row(T* x, const T* c, const T* s, int64_t num_heads, int64_t K
 // k_cache/v_cache [num_blocks, block_size, KVH, D] contiguous, holding the
 // current token; block_tables [B, W] int32; seq_lens [B] int32 counting the
 // current token. Query b sits at seq_lens[b] - 1 and sees keys j with
-// seq_lens[b] - window <= j (window > 0) and j < seq_lens[b]. -> [B, H, D].
+// seq_lens[b] - window <= j (window > 0) and j < seq_lens[b]. softcap > 0
+// (gemma2): each scaled score s becomes softcap * tanh(s / softcap). -> [B, H, D].
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                        int64_t sliding_window) {
+                        int64_t sliding_window, double softcap) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be [B, H, D] with contiguous heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
@@ -354,7 +356,8 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
                    (((tokens - 1) * KVH * D + hp * D) * int64_t(sizeof(scalar_t)) + 63) / 64};
         }
         one(qp + b * query.stride(0) + h * G * D, kp + h * D, vp + h * D, block_size * KVH * D, KVH * D,
-            tables + b * width, block_size, first_key(b), lens[b], hp, G, D, scale, op + (b * H + h * G) * D, after);
+            tables + b * width, block_size, first_key(b), lens[b], hp, G, D, scale, softcap, op + (b * H + h * G) * D,
+            after);
       }
     });
   });
@@ -400,7 +403,7 @@ void rotary_store_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
 
 TORCH_LIBRARY_FRAGMENT(tgi, m) {
   m.def("paged_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "float scale, int sliding_window) -> Tensor");
+        "float scale, int sliding_window, float softcap=0.0) -> Tensor");
   m.def("rotary_store_kv(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, Tensor(b!) k_cache, "
         "Tensor(c!) v_cache, Tensor slot_mapping) -> ()");
 }

@@ -71,6 +71,10 @@ inline float exp_approx(float x) {
 }
 inline double exp_approx(double x) { return std::exp(x); }
 
+// An attention score capped softly (gemma2): cap * tanh(s / cap), as transformers computes it.
+template <typename A>
+inline A soft_cap(A s, A cap) { return cap * std::tanh(s / cap); }
+
 // Rows of a [rows, n] problem each thread should take at least, so that a
 // small problem runs on the calling thread (a parallel region costs a few us).
 inline int64_t grain_rows(int64_t n, int64_t min_elems = 1 << 15) {

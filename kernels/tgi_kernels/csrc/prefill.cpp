@@ -60,7 +60,8 @@ inline int64_t scratch_floats(int64_t G, int64_t D) { return 2 * G * D * kRows +
 // head, rows q_stride apart; out likewise ([rows, G, D] at out_stride).
 template <typename T, int64_t kD>
 void prefill_tile(const T* q, int64_t q_stride, const Keys<T>& keys, int64_t pos0, int64_t rows, int64_t window,
-                  int64_t G, int64_t head_dim, float scale, T* out, int64_t out_stride, float* scratch) {
+                  int64_t G, int64_t head_dim, float scale, float softcap, T* out, int64_t out_stride,
+                  float* scratch) {
   const int64_t D = kD ? kD : head_dim, nj = D / kWidth;
   float* qt = scratch;              // [G][D][kRows] scaled queries, rows as lanes
   float* acc = qt + G * D * kRows;  // [G][kRows][D]
@@ -113,6 +114,14 @@ void prefill_tile(const T* q, int64_t q_stride, const Keys<T>& keys, int64_t pos
         const R x = load(qg + d * kRows);
 #pragma GCC unroll 16
         for (int64_t t = 0; t < kKeys; ++t) a[t] = fma(x, set1(kf[t * D + d]), a[t]);
+      }
+      if (softcap > 0) {  // gemma2: lane by lane (a model without the cap never pays for it)
+        alignas(64) float lane[kRows];
+        for (int64_t t = 0; t < kKeys; ++t) {
+          store(lane, a[t]);
+          for (int64_t r = 0; r < kRows; ++r) lane[r] = soft_cap(lane[r], softcap);
+          a[t] = load(lane);
+        }
       }
       if (!whole) {
 #pragma GCC unroll 16
@@ -191,7 +200,7 @@ void prefill_tile(const T* q, int64_t q_stride, const Keys<T>& keys, int64_t pos
 at::Tensor varlen_prefill(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                           const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
                           const at::Tensor& cu_seqlens_q, const at::Tensor& prefix_lens, double scale,
-                          int64_t sliding_window) {
+                          int64_t sliding_window, double softcap) {
   for (const at::Tensor* x : {&query, &key, &value})
     TORCH_CHECK(x->dim() == 3 && x->stride(2) == 1 && x->stride(1) == x->size(2),
                 "query/key/value must be [T, heads, D] with contiguous heads");
@@ -258,7 +267,8 @@ at::Tensor varlen_prefill(const at::Tensor& query, const at::Tensor& key, const 
                                       key.stride(0), value.stride(0), block_size, prefix[b], tables + b * width};
             const int64_t rows = std::min<int64_t>(kRows, cu[b + 1] - row);
             one(qp + row * query.stride(0) + h * G * D, query.stride(0), keys, prefix[b] + tile.row0, rows,
-                sliding_window, G, D, float(scale), op + (row * H + h * G) * D, H * D, scratch.data());
+                sliding_window, G, D, float(scale), float(softcap), op + (row * H + h * G) * D, H * D,
+                scratch.data());
           }
       });
     }
@@ -270,7 +280,8 @@ at::Tensor varlen_prefill(const at::Tensor& query, const at::Tensor& key, const 
 
 TORCH_LIBRARY_FRAGMENT(tgi, m) {
   m.def("varlen_prefill(Tensor query, Tensor key, Tensor value, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor cu_seqlens_q, Tensor prefix_lens, float scale, int sliding_window) -> Tensor");
+        "Tensor block_tables, Tensor cu_seqlens_q, Tensor prefix_lens, float scale, int sliding_window, "
+        "float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tgi, CPU, m) {

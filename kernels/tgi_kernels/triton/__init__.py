@@ -52,6 +52,11 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     _kernel("store_kv_kernel").store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
+def _no_softcap(softcap: float) -> None:
+    if softcap:
+        raise ValueError("the triton attention backend has no soft cap (gemma2's attn_logit_softcapping)")
+
+
 def paged_decode(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -59,11 +64,14 @@ def paged_decode(
     meta: DecodeMeta,
     scale: float,
     sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """query [B, H, D] -> out [B, H, D]; see tgi_kernels.paged_decode.
 
     meta.max_seq_len only sets the number of splits, so a CUDA graph captured
-    with a large bound replays correctly for any shorter contexts."""
+    with a large bound replays correctly for any shorter contexts. No soft
+    cap (not in SOFTCAP_BACKENDS: a shard refuses this backend for such a model)."""
+    _no_softcap(softcap)
     return _kernel("paged_decode_kernel").paged_decode(
         query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale, sliding_window
     )
@@ -78,8 +86,10 @@ def varlen_prefill(
     meta: PrefillMeta,
     scale: float,
     sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D] -> out [T, H, D]; see tgi_kernels.varlen_prefill."""
+    _no_softcap(softcap)
     return _kernel("varlen_prefill_kernel").varlen_prefill(
         query, key, value, k_cache, v_cache, meta.cu_seqlens_q, meta.prefix_lens, meta.block_tables,
         meta.max_query_len, scale, sliding_window,

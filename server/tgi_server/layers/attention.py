@@ -65,11 +65,12 @@ class Attention(nn.Module):
     num_heads / num_kv_heads are this rank's; its cache holds its kv heads only.
     q_norm / k_norm (qwen3, gemma3): an RMSNorm over each head's head_dim,
     before RoPE. rotary_dim (phi3's partial rotary): RoPE rotates each
-    head's first rotary_dim dims only."""
+    head's first rotary_dim dims only. softcap (gemma2): scores capped softly."""
 
     def __init__(self, qkv: Linear, o_proj: Linear, layer_idx: int, num_heads: int,
                  num_kv_heads: int, head_dim: int, sliding_window: int, scale: float | None = None,
-                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, rotary_dim: int | None = None):
+                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, rotary_dim: int | None = None,
+                 softcap: float = 0.0):
         super().__init__()
         self.qkv, self.o_proj = qkv, o_proj
         self.layer_idx = layer_idx
@@ -78,6 +79,7 @@ class Attention(nn.Module):
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.q_norm, self.k_norm = q_norm, k_norm
         self.rotary_dim = rotary_dim  # None: RoPE rotates the whole head
+        self.softcap = softcap  # > 0: scores capped softly (gemma2)
 
     @classmethod
     def load(cls, weights: TensorSource, prefix: str, layer_idx: int, heads: HeadShard, config: "ModelConfig",
@@ -102,7 +104,8 @@ class Attention(nn.Module):
                   RMSNorm.load(weights, f"{prefix}.k_norm", config.rms_norm_eps, config.norm_offset))
                  if config.qk_norm else (None, None))
         return cls(qkv, o_proj, layer_idx, heads.num_heads, heads.num_kv_heads, head_dim,
-                   config.layers[layer_idx].sliding_window, config.attn_scale, *norms, config.rotary_dim)
+                   config.layers[layer_idx].sliding_window, config.attn_scale, *norms, config.rotary_dim,
+                   config.attn_softcap)
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv [T, heads + 2 kv_heads, D] -> the same with q and k heads normed
@@ -142,14 +145,15 @@ class Attention(nn.Module):
 
         nd = ctx.num_decode_tokens
         if ctx.prefill is None:  # every token decodes: no slicing (~2.5 us a view, 30 layers a step)
-            out = paged_decode(q, k_cache, v_cache, ctx.decode, self.scale, self.sliding_window, ctx.backend)
+            out = paged_decode(q, k_cache, v_cache, ctx.decode, self.scale, self.sliding_window, ctx.backend,
+                               self.softcap)
         else:
             k = qkv[:, heads:heads + kv_heads] if k is None else k
             v = qkv[:, heads + kv_heads:]
             out = varlen_prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, ctx.prefill, self.scale,
-                                 self.sliding_window, ctx.backend)
+                                 self.sliding_window, ctx.backend, self.softcap)
             if ctx.decode is not None:
                 decoded = paged_decode(q[:nd], k_cache, v_cache, ctx.decode, self.scale, self.sliding_window,
-                                       ctx.backend)
+                                       ctx.backend, self.softcap)
                 out = torch.cat([decoded, out], dim=0)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(tokens, heads * self.head_dim))

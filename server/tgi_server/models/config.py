@@ -41,6 +41,7 @@ class ModelConfig:
     embed_scale: float = 1.0          # embeddings times this, rounded to the weights' dtype (gemma: sqrt(hidden))
     attn_scale: float | None = None   # q.k scale; None: head_dim ** -0.5
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    attn_softcap: float = 0.0         # > 0: attention scores s become cap * tanh(s / cap) (gemma2)
     rotary_dim: int | None = None     # leading dims of a head that RoPE rotates; None: all (phi3 may rotate fewer)
     fused_qkv: bool = False           # one qkv_proj tensor holds q, k and v's rows (phi3)
     fused_gate_up: bool = False       # one gate_up_proj tensor holds gate's rows, then up's (phi3)

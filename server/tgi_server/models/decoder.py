@@ -1,15 +1,16 @@
-"""The decoder families (llama, mistral, qwen2, qwen3, smollm3, gemma3
-text, phi3, and with sparse mixture-of-experts MLPs mixtral, qwen2_moe,
-qwen3_moe) on one flattened ragged batch.
+"""The decoder families (llama, mistral, qwen2, qwen3, smollm3, phi3,
+gemma2, gemma3 text, and with sparse mixture-of-experts MLPs mixtral,
+qwen2_moe, qwen3_moe) on one flattened ragged batch.
 
 They differ only in facts of ModelConfig (models/families.py says which each
 sets): sliding windows and RoPE tables per layer (and layers without RoPE,
 or RoPE on part of each head), fused qkv and gate_up tensors, q/k/v biases,
-q/k norms, which layers route tokens to experts, Gemma's 1 + weight norms, norms after attention and
-after the MLP, GELU-tanh, scaled embeddings, the attention scale, a soft cap
-on the logits, tied embeddings. Under tensor parallelism each layer loads
-this rank's slice; the model code only says which layers split by output
-(column) and which by input (row)."""
+q/k norms, which layers route tokens to experts, Gemma's 1 + weight norms,
+norms after attention and after the MLP, GELU-tanh, scaled embeddings, the
+attention scale, soft caps on the attention scores and on the logits, tied
+embeddings. Under tensor parallelism each layer loads this rank's slice; the
+model code only says which layers split by output (column) and which by
+input (row)."""
 
 import torch
 from torch import nn

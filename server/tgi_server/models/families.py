@@ -19,7 +19,7 @@ ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 def _windows(hf: PretrainedConfig) -> tuple[int, ...]:
     """Per-layer sliding windows (0 = full attention). Mistral windows every
-    layer; qwen2/qwen3/smollm3/gemma3 name their windowed layers in
+    layer; qwen2/qwen3/smollm3/gemma2/gemma3 name their windowed layers in
     `layer_types` (qwen2/3 and smollm3 only with use_sliding_window)."""
     window = getattr(hf, "sliding_window", None) or 0
     if hf.model_type == "llama" or not window or getattr(hf, "use_sliding_window", True) is False:
@@ -52,10 +52,19 @@ def _per_layer_type_ropes(hf: PretrainedConfig, head_dim: int) -> Ropes:
     return tables, tuple(types.index(t) for t in hf.layer_types)
 
 
-def _gemma3(hf: PretrainedConfig, head_dim: int) -> dict:
-    return dict(qk_norm=True, norm_offset=True, sandwich_norms=True, embed_scale=hf.hidden_size ** 0.5,
-                attn_scale=hf.query_pre_attn_scalar ** -0.5,
-                final_logit_softcap=getattr(hf, "final_logit_softcapping", None))
+def _gemma(hf: PretrainedConfig, head_dim: int) -> dict:
+    """Gemma 2 and 3: 1 + w norms, sandwich norms, scaled embeddings, their
+    own attention scale, a soft cap on the logits if set; gemma2 caps the
+    attention scores too (gemma3's config field is there, unused, as in
+    transformers), gemma3 norms q and k."""
+    facts = dict(norm_offset=True, sandwich_norms=True, embed_scale=hf.hidden_size ** 0.5,
+                 attn_scale=hf.query_pre_attn_scalar ** -0.5,
+                 final_logit_softcap=getattr(hf, "final_logit_softcapping", None))
+    if hf.model_type == "gemma2":
+        facts["attn_softcap"] = float(getattr(hf, "attn_logit_softcapping", None) or 0.0)
+    else:
+        facts["qk_norm"] = True
+    return facts
 
 
 def _mixtral_moe(hf: PretrainedConfig) -> tuple[MoEFacts, tuple[bool, ...]]:
@@ -96,5 +105,6 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family(moe=_mixtral_moe),
     "qwen2_moe": Family(qkv_bias=True, moe=_qwen_moe),
     "qwen3_moe": Family(extras=lambda hf, head_dim: {"qk_norm": True}, moe=_qwen_moe),
-    "gemma3_text": Family(activations=("gelu_pytorch_tanh",), ropes=_per_layer_type_ropes, extras=_gemma3),
+    "gemma2": Family(activations=("gelu_pytorch_tanh",), extras=_gemma),
+    "gemma3_text": Family(activations=("gelu_pytorch_tanh",), ropes=_per_layer_type_ropes, extras=_gemma),
 }
