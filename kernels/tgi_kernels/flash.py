@@ -50,6 +50,11 @@ def _window(sliding_window: int) -> tuple[int, int]:
     return (sliding_window - 1, 0) if sliding_window > 0 else (-1, -1)
 
 
+def _softcap(softcap: float) -> dict:
+    """flash-attn's `softcap` argument (2.6 and later), passed only when set."""
+    return {"softcap": softcap} if softcap else {}
+
+
 def paged_decode(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -64,7 +69,7 @@ def paged_decode(
         return sdpa.paged_decode(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
     block_size = k_cache.shape[1]
     common = dict(cache_seqlens=meta.seq_lens, softmax_scale=scale, causal=True, window_size=_window(sliding_window),
-                  softcap=softcap)
+                  **_softcap(softcap))
     q = query.unsqueeze(1)  # [B, 1, H, D]
     if block_size % PAGED_BLOCK_MULTIPLE == 0:
         out = _flash().flash_attn_with_kvcache(q, k_cache, v_cache, block_table=meta.block_tables, **common)
@@ -114,7 +119,7 @@ def varlen_prefill(
     """query [T, H, D], key/value [T, KVH, D] -> out [T, H, D]; see tgi_kernels.varlen_prefill."""
     if query.dtype not in _DTYPES or query.shape[0] == 0:
         return sdpa.varlen_prefill(query, key, value, k_cache, v_cache, meta, scale, sliding_window, softcap)
-    common = dict(softmax_scale=scale, causal=True, window_size=_window(sliding_window), softcap=softcap)
+    common = dict(softmax_scale=scale, causal=True, window_size=_window(sliding_window), **_softcap(softcap))
     if not any(meta.prefix_lens_list):
         cu, n = meta.cu_seqlens_q, meta.max_query_len
         return _flash().flash_attn_varlen_func(query, key, value, cu, cu, n, n, **common)

@@ -16,16 +16,16 @@ from tgi_kernels import flash, paged_decode, reference, varlen_prefill
 from .kernel_cases import make_case, make_decode_case
 
 
-def _dense(q, k, v, softmax_scale, causal, window_size):
+def _dense(q, k, v, softmax_scale, causal, window_size, softcap=0.0):
     # q [n, H, D], k/v [m, KVH, D]; flash aligns the causal mask to the bottom right.
     assert causal
     left, right = window_size
     assert right in (0, -1)
     q_pos = torch.arange(q.shape[0]) + (k.shape[0] - q.shape[0])
-    return reference.attend(q, k, v, q_pos, softmax_scale, left + 1 if left >= 0 else 0)
+    return reference.attend(q, k, v, q_pos, softmax_scale, left + 1 if left >= 0 else 0, softcap)
 
 
-def _varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_size):
+def _varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_size, softcap=0.0):
     assert cu_q.dtype == cu_k.dtype == torch.int32
     out = torch.empty_like(q)
     cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
@@ -33,11 +33,12 @@ def _varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, windo
     assert max_k == max(b - a for a, b in zip(cu_k, cu_k[1:]))
     for b in range(len(cu_q) - 1):
         qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        out[qs] = _dense(q[qs], k[ks], v[ks], softmax_scale, causal, window_size)
+        out[qs] = _dense(q[qs], k[ks], v[ks], softmax_scale, causal, window_size, softcap)
     return out
 
 
-def _with_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, window_size, block_table=None):
+def _with_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, window_size, block_table=None,
+                  softcap=0.0):
     assert cache_seqlens.dtype == torch.int32 and q.shape[1] == 1
     out = torch.empty_like(q)  # [B, 1, H, D]
     for b, n in enumerate(cache_seqlens.tolist()):
@@ -46,7 +47,7 @@ def _with_kvcache(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, win
         else:
             assert block_table.dtype == torch.int32 and k_cache.shape[1] % 256 == 0
             k, v = reference.read_context(k_cache, v_cache, block_table[b], n)
-        out[b] = _dense(q[b], k, v, softmax_scale, causal, window_size)
+        out[b] = _dense(q[b], k, v, softmax_scale, causal, window_size, softcap)
     return out
 
 
@@ -57,25 +58,25 @@ def fake_flash(monkeypatch):
 
 
 @pytest.mark.parametrize("block_size", [4, 256])
-@pytest.mark.parametrize("sliding_window", [0, 5])
-def test_flash_decode_glue_matches_reference(fake_flash, block_size, sliding_window):
+@pytest.mark.parametrize("sliding_window, softcap", [(0, 0.0), (5, 0.0), (5, 0.5)])
+def test_flash_decode_glue_matches_reference(fake_flash, block_size, sliding_window, softcap):
     case = make_decode_case(
         [1, 4, 5, 23], heads=6, kv_heads=2, head_dim=16, block_size=block_size, dtype=torch.bfloat16
     )
     args = (case.query, case.k_cache, case.v_cache, case.decode, 0.25, sliding_window)
-    got = flash.paged_decode(*args)
-    torch.testing.assert_close(got, paged_decode(*args, backend="reference"))
+    got = flash.paged_decode(*args, softcap)
+    torch.testing.assert_close(got, paged_decode(*args, backend="reference", softcap=softcap))
 
 
 @pytest.mark.parametrize("prefix_lens", [[0, 0, 0], [3, 0, 17]], ids=["fresh", "prefix"])
-@pytest.mark.parametrize("sliding_window", [0, 5])
-def test_flash_prefill_glue_matches_reference(fake_flash, prefix_lens, sliding_window):
+@pytest.mark.parametrize("sliding_window, softcap", [(0, 0.0), (5, 0.0), (5, 0.5)])
+def test_flash_prefill_glue_matches_reference(fake_flash, prefix_lens, sliding_window, softcap):
     case = make_case(
         [6, 1, 9], prefix_lens, heads=6, kv_heads=2, head_dim=16, block_size=4, dtype=torch.bfloat16
     )
     args = (case.query, case.key, case.value, case.k_cache, case.v_cache, case.prefill, 0.25, sliding_window)
-    got = flash.varlen_prefill(*args)
-    torch.testing.assert_close(got, varlen_prefill(*args, backend="reference"))
+    got = flash.varlen_prefill(*args, softcap)
+    torch.testing.assert_close(got, varlen_prefill(*args, backend="reference", softcap=softcap))
 
 
 def test_flash_falls_back_to_sdpa_for_float32(monkeypatch):

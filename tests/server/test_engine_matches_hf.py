@@ -74,3 +74,19 @@ def test_smollm2_matches_transformers(tmp_path, smollm2_hf):
     assert [len(s.generated_ids) for s in seqs] == [NEW_TOKENS] * 4
     assert [s.generated_ids for s in seqs] == expected
     assert "Paris" in tokenizer.decode(seqs[0].generated_ids)
+
+
+def test_a_backend_that_cannot_cap_scores_is_refused_for_gemma2(tmp_path, monkeypatch):
+    """triton has no soft cap: a shard forced onto it (on CUDA) for a gemma2
+    model stops at load with one line naming the backends that can."""
+    from tgi_server import model_runner
+    from tgi_server.distributed import TensorParallel
+    from tgi_server.model_loader import load_model, open_checkpoint
+    from tgi_server.weights.resolve import resolve_model
+
+    path = save_tiny_model("gemma2", tmp_path / "gemma2")
+    config, weights = open_checkpoint(resolve_model(str(path)), torch.float32, torch.device("cpu"), None)
+    monkeypatch.setattr(model_runner, "select_backend", lambda device, forced: forced)  # as on CUDA
+    with pytest.raises(ValueError, match="the triton attention backend cannot cap attention scores .* use one of "
+                                         "reference, sdpa, cpu, flash_attn"):
+        model_runner.ModelRunner(load_model(config, weights, TensorParallel()), 16, "triton", 1 << 20)
