@@ -330,3 +330,53 @@ def test_smollm2_tensors_match_transformers_gguf_loader(smollm2_hf, smollm2_chec
     assert set(theirs) == set(smollm2_checkpoint.tensors)
     for name, tensor in smollm2_checkpoint.tensors.items():
         torch.testing.assert_close(tensor, torch.as_tensor(theirs[name]), rtol=0, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------- qwen3 and gemma
+
+def _family_tensors(qk_norms: bool, gemma: bool) -> dict[str, np.ndarray]:
+    """tiny_hf_tensors plus the family's own: q/k norms, gemma's two more norms."""
+    hf = tiny_hf_tensors(bias=False, tied=True, seed=3)
+    rng = np.random.default_rng(4)
+    for layer in range(TINY["layers"]):
+        p = f"model.layers.{layer}."
+        extra = {}
+        if qk_norms:
+            extra.update({p + "self_attn.q_norm.weight": (TINY["head_dim"],),
+                          p + "self_attn.k_norm.weight": (TINY["head_dim"],)})
+        if gemma:
+            extra.update({p + "pre_feedforward_layernorm.weight": (TINY["hidden"],),
+                          p + "post_feedforward_layernorm.weight": (TINY["hidden"],)})
+        hf.update({name: rng.standard_normal(shape).astype(np.float32) for name, shape in extra.items()})
+    return hf
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3"])
+def test_qwen3_and_gemma_tensors_round_trip(tmp_path, arch, monkeypatch):
+    """Names as llama.cpp writes them (q/k norms; gemma's four norms a layer,
+    ffn_norm its MLP's input), q/k rows not permuted, gemma's norms stored as
+    1 + w and read back as that minus 1 in float32 (what transformers' GGUF
+    loader reads); gemma2's soft caps from its metadata."""
+    gemma = arch.startswith("gemma")
+    hf = _family_tensors(qk_norms=arch != "gemma2", gemma=gemma)
+    stored = {name: data + np.float32(1) if gemma and name.endswith("norm.weight") else data
+              for name, data in hf.items()}
+    if gemma:
+        monkeypatch.setitem(GGUF_NAMES, "post_attention_layernorm", "post_attention_norm")
+        monkeypatch.setitem(GGUF_NAMES, "pre_feedforward_layernorm", "ffn_norm")
+        monkeypatch.setitem(GGUF_NAMES, "post_feedforward_layernorm", "post_ffw_norm")
+    monkeypatch.setitem(GGUF_NAMES, "self_attn.q_norm", "attn_q_norm")
+    monkeypatch.setitem(GGUF_NAMES, "self_attn.k_norm", "attn_k_norm")
+    extra = {"add_key_length": TINY["head_dim"], "add_value_length": TINY["head_dim"]}
+    if arch == "gemma2":
+        extra.update(add_attn_logit_softcapping=50.0, add_final_logit_softcapping=30.0, add_sliding_window=4)
+    ckpt = load_gguf(write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, stored, permute=False, extra=extra),
+                     torch.float32)
+    assert set(ckpt.tensors) == set(hf)
+    for name, want in hf.items():
+        read_as = stored[name] - np.float32(1) if stored[name] is not want else want
+        np.testing.assert_array_equal(ckpt.tensors[name].numpy(), read_as, err_msg=name)
+    expected_type = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text"}[arch]
+    assert ckpt.config["model_type"] == expected_type
+    if arch == "gemma2":
+        assert (ckpt.config["attn_logit_softcapping"], ckpt.config["final_logit_softcapping"]) == (50.0, 30.0)

@@ -1,7 +1,7 @@
 """GGUF checkpoints (llama.cpp's single-file format) in Hugging Face terms.
 
 `GGUFFile` opens a GGUF file of a dense family we serve (llama, mistral,
-qwen2, qwen3, gemma3) and names its tensors as `transformers`' model class
+qwen2, qwen3, gemma2, gemma3) and names its tensors as `transformers`' model class
 for it does, with a config.json-equivalent dict; it dequantizes a tensor when
 asked for it. `load_gguf` dequantizes them all.
 llama.cpp's converter interleaves the rows of q_proj and k_proj of llama
@@ -27,14 +27,14 @@ from .errors import CheckpointError
 from .gguf_chat import FALLBACKS
 from .gguf_rope import llama3_scaling
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 _MODEL_TYPES = {"gemma3": "gemma3_text"}  # GGUF architecture -> transformers model_type, where they differ
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+               "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 # Architectures whose q/k rows llama.cpp's converter permuted (LlamaModel.permute).
 _PERMUTED = ("llama", "mistral")
 # Architectures whose norm weights llama.cpp stores as 1 + w.
-_NORMS_PLUS_ONE = ("gemma3",)
+_NORMS_PLUS_ONE = ("gemma2", "gemma3")
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -97,7 +97,7 @@ class GGUFFile:
         # HF name -> (GGUF tensor, its GGUF kind, HF shape)
         self._tensors = {}
         self._norms_plus_one = arch in _NORMS_PLUS_ONE
-        layer_names = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+        layer_names = _GEMMA_LAYER_NAMES if arch in _NORMS_PLUS_ONE else _LAYER_NAMES
         for tensor in reader.tensors:
             if tensor.name != _ROPE_FREQS:
                 hf_name, kind = _hf_name(tensor.name, layer_names, self.path)
@@ -218,7 +218,7 @@ def _config(reader: GGUFReader, arch: str, shapes: dict[str, tuple[int, ...]], p
         model_type = "mistral"  # llama.cpp converts Mistral models to the llama architecture
     rope_theta = _float32(key("rope.freq_base", 10000.0))
     window = key("attention.sliding_window")
-    return {
+    config = {
         "model_type": model_type,
         "architectures": [_HF_CLASSES[model_type]],
         "vocab_size": shapes["token_embd.weight"][0],
@@ -238,6 +238,10 @@ def _config(reader: GGUFReader, arch: str, shapes: dict[str, tuple[int, ...]], p
         "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in shapes,
         "rope_scaling": _rope_scaling(reader, arch, rope_theta, head_dim, path),
     }
+    for key_name in ("attn_logit_softcapping", "final_logit_softcapping"):  # gemma2's, as llama.cpp writes them
+        if key(key_name) is not None:
+            config[key_name] = _float32(key(key_name))
+    return config
 
 
 def _eos_ids(reader: GGUFReader, arch: str) -> int | list[int] | None:
@@ -337,7 +341,7 @@ def _check_shapes(shapes: dict[str, tuple[int, ...]], config: dict, path: Path) 
     if config["model_type"] in ("qwen3", "gemma3_text"):
         layer_shapes.update({"self_attn.q_norm.weight": (config["head_dim"],),
                              "self_attn.k_norm.weight": (config["head_dim"],)})
-    if config["model_type"] == "gemma3_text":
+    if config["model_type"] in ("gemma2", "gemma3_text"):
         layer_shapes.update({"pre_feedforward_layernorm.weight": (hidden,),
                              "post_feedforward_layernorm.weight": (hidden,)})
     for layer in range(config["num_hidden_layers"]):
