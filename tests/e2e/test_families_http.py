@@ -2,8 +2,9 @@
 checkpoint of each (built with transformers' own config class: GQA, windows
 shorter than the prompts, the family's mechanisms switched on; see
 shard_harness.TINY_EXTRA) gives transformers' greedy tokens and its prompt
-logprobs, with chunked prefill at a 16-token budget, again with the prompts
-served from the prefix cache, and over two shards."""
+logprobs over two shards with chunked prefill at a 16-token budget, and
+again with the prompts served from the prefix cache. (One shard without
+chunking: tests/server/test_engine_matches_hf.py.)"""
 
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -75,9 +76,13 @@ def _check(answers: list[dict], expected: list) -> None:
             assert max(abs(a - b) for a, b in zip(ours, prompt_logprobs)) < 1e-4
 
 
-def test_chunked_prefill_and_prefix_hits_match_transformers(family, tmp_path):
+def test_chunked_prefill_prefix_hits_and_two_shards_match_transformers(family, tmp_path):
+    """One launch for all three (a launch costs ~7 s on two cores): two
+    shards, a 16-token prefill budget (every prompt but the first is
+    computed in chunks), then the same prompts again from the prefix cache."""
     model_type, path, expected = family
-    proc, url = launch(str(path), tmp_path, "--dtype", "float32", "--max-batch-prefill-tokens", "16",
+    proc, url = launch(str(path), tmp_path, "--dtype", "float32", "--num-shard", "2",
+                       "--master-port", str(free_port()), "--max-batch-prefill-tokens", "16",
                        "--max-input-tokens", "64", "--max-total-tokens", "128")
     try:
         _check(_serve(url), expected)  # computes the prompts, filling the cache
@@ -85,17 +90,6 @@ def test_chunked_prefill_and_prefix_hits_match_transformers(family, tmp_path):
         _check(_serve(url, prompt_logprobs=False), expected)  # the same prompts: full blocks from the cache
         # the full 16-token blocks before each prompt's last token (21, 39 and 50 tokens: 1, 2 and 3)
         assert _metric(url, "tgi_prefix_cache_hit_tokens") == 16 * (1 + 2 + 3)
-    finally:
-        proc.terminate()
-        proc.wait(30)
-
-
-def test_two_shards_match_transformers(family, tmp_path):
-    model_type, path, expected = family
-    proc, url = launch(str(path), tmp_path, "--dtype", "float32", "--num-shard", "2",
-                       "--master-port", str(free_port()))
-    try:
-        _check(_serve(url), expected)
     finally:
         proc.terminate()
         proc.wait(30)

@@ -25,7 +25,7 @@ from tgi_server.weights.errors import CheckpointError
 from tgi_server.weights.gguf import load_gguf
 from tgi_server.weights.resolve import resolve_model
 
-from ..shard_harness import InProcessShard, ShardProcesses, run_prompts, save_tiny_model
+from ..shard_harness import HF_CLASSES, InProcessShard, ShardProcesses, run_prompts, save_tiny_model
 from .test_engine_matches_hf import engine_logits
 from .test_gguf import Q, tiny_hf_tensors, write_tiny_gguf
 
@@ -243,3 +243,27 @@ def test_two_shards_with_quantize_gptq_give_one_shard_s_greedy_text(method, floa
     with ShardProcesses(tmp_path, str(out), 2, "--quantize", "gptq") as group:
         two = [s.generated_ids for s in asyncio.run(run_prompts(group.sockets, PROMPTS, 12))]
     assert two == one
+
+
+@pytest.mark.parametrize("model_type", sorted(set(HF_CLASSES) - {"llama"}))
+def test_eetq_quantizes_every_family_s_linears_at_load(model_type, tmp_path):
+    """EETQ on the other families: every linear the decoder loads (fused qkv
+    and gate_up slices, each expert's, the shared expert's) is int8 per
+    channel, and the logits equal transformers' with those weights
+    quantized-dequantized (the MoE routers and qwen2_moe's one-row shared
+    expert gate stay float, in both)."""
+    path = save_tiny_model(model_type, tmp_path / model_type)
+    runner = runner_for(path, quantize="eetq")
+    assert {m.kernel for m in runner.model.modules() if isinstance(m, QuantLinear)} == {"int8"}
+    reference = HF_CLASSES[model_type][1].from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if name.endswith("shared_expert_gate.weight") or "lm_head" in name or "embed_tokens" in name:
+                continue
+            if p.dim() == 2 and not name.endswith("gate.weight"):  # a linear (not a router)
+                p.copy_(quantize_rtn(p, 8, -1, symmetric=True).dequantize())
+            elif p.dim() == 3:  # experts stacked [E, out, in]
+                for e in range(p.shape[0]):
+                    p[e] = quantize_rtn(p[e], 8, -1, symmetric=True).dequantize()
+    for prompt in PROMPTS:
+        assert (engine_logits(runner, prompt) - hf_logits(reference, prompt)).abs().max() < 1e-4
