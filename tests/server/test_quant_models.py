@@ -75,7 +75,7 @@ def dequantized_reference(path) -> transformers.PreTrainedModel:
     config, weights = open_checkpoint(resolve_model(str(path)), torch.float32, torch.device("cpu"))
     hf_config = transformers.AutoConfig.from_pretrained(path)
     del hf_config.quantization_config
-    model = transformers.LlamaForCausalLM(hf_config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
     state = {}
     for name in model.state_dict():
         prefix = name.removesuffix(".weight")
@@ -267,3 +267,24 @@ def test_eetq_quantizes_every_family_s_linears_at_load(model_type, tmp_path):
                     p[e] = quantize_rtn(p[e], 8, -1, symmetric=True).dequantize()
     for prompt in PROMPTS:
         assert (engine_logits(runner, prompt) - hf_logits(reference, prompt)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_quantized_qwen3_serves_its_dequantized_weights(method, tmp_path):
+    """The quantizer follows qwen3's layers (its q/k norms sit inside the
+    attention it runs whole); the checkpoint loads and its logits equal
+    transformers' Qwen3 on the dequantized weights."""
+    out = tmp_path / "q"
+    server_cli(["quantize", str(save_tiny_model("qwen3", tmp_path / "m")), str(out), *METHODS[method], *CALIBRATION])
+    runner, reference = runner_for(out), dequantized_reference(out)
+    assert sum(isinstance(m, QuantLinear) for m in runner.model.modules()) == 3 * 4
+    for prompt in PROMPTS:
+        assert (engine_logits(runner, prompt) - hf_logits(reference, prompt)).abs().max() < 1e-3
+
+
+def test_the_quantizer_refuses_layers_it_does_not_follow(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        server_cli(["quantize", str(save_tiny_model("gemma3_text", tmp_path / "m")), str(tmp_path / "q"),
+                    *METHODS["gptq"], *CALIBRATION])
+    assert "the quantizer follows the decoder layers of llama, mistral, qwen2, qwen3, not gemma3_text's" \
+        in capsys.readouterr().err

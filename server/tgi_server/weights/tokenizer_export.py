@@ -11,7 +11,7 @@ def export_tokenizer(source: ModelSource) -> tuple[str, str]:
     """(tokenizer.json text, tokenizer config JSON text) for the checkpoint;
     ("", "") when a directory holds no tokenizer (a shard serves token ids
     only; the router refuses to start without a tokenizer)."""
-    if source.format == "safetensors" and not _has_tokenizer_files(source):
+    if source.format == "safetensors" and not has_tokenizer_files(source):
         return "", ""
     tokenizer = _load(source)
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -40,6 +40,8 @@ def _load(source: ModelSource):
         raise CheckpointError(f"{source.path}: cannot load the tokenizer ({str(err).splitlines()[0]})") from None
 
 
-def _has_tokenizer_files(source: ModelSource) -> bool:
+def has_tokenizer_files(source: ModelSource) -> bool:
+    """Whether a checkpoint directory holds a tokenizer (transformers 5
+    builds an empty one for some model types rather than fail without)."""
     names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
     return any((source.path / n).exists() for n in names)

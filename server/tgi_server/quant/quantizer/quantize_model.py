@@ -7,11 +7,17 @@ import torch
 import transformers
 
 from ...weights.resolve import resolve_model
+from ...weights.tokenizer_export import has_tokenizer_files
 from .awq_search import search_scales
 from .calibration import INPUT_GROUPS, calibration_ids, first_layer_inputs, sample_inputs, sequential_pass, submodule
 from .export import save_quantized
 from .gptq_solver import gptq_quantize
 from ..quantized_matrix import QuantizedMatrix
+
+
+# Families whose decoder layer is calibration.sequential_pass's: a pre-norm
+# attention and a pre-norm gated MLP of gate_proj / up_proj / down_proj.
+QUANTIZABLE = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def quantize_model(model_id: str | None, out: Path, method: str, bits: int = 4, group_size: int = 128,
@@ -31,6 +37,9 @@ def quantize_model(model_id: str | None, out: Path, method: str, bits: int = 4, 
     if method == "awq" and (bits != 4 or act_order or symmetric):
         raise ValueError("AWQ writes asymmetric 4-bit checkpoints without act-order")
     model, tokenizer = load_float_model(model_id)
+    if model.config.model_type not in QUANTIZABLE:
+        raise ValueError(f"the quantizer follows the decoder layers of {', '.join(QUANTIZABLE)}, not "
+                         f"{model.config.model_type}'s (norms after attention, fused or routed MLPs)")
     ids = calibration_ids(model, tokenizer, samples, length, seed, calibration)
     chunks = first_layer_inputs(model, ids)
     matrices: dict[str, QuantizedMatrix] = {}
@@ -112,8 +121,10 @@ def load_float_model(model_id: str | None):
         model.tie_weights()
         return model.eval(), load_gguf_tokenizer(source.path)
     model = transformers.AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32).eval()
+    if not has_tokenizer_files(source):
+        return model, None  # a tokenizer-less checkpoint still calibrates on generated ids
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(source.path)
     except (OSError, ValueError):
-        tokenizer = None  # a tokenizer-less checkpoint still calibrates on generated ids
+        tokenizer = None
     return model, tokenizer
