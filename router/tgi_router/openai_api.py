@@ -21,9 +21,9 @@ from .errors import BatchSizeExceededError
 from .openai_prepare import PreparedChat, chat_tools, prepare_chat, prepare_completion, render_chat
 from .openai_stream import (ResponseMeta, chat_chunks, chat_token_logprobs, completion_chunks, completion_logprobs,
                             finish_reason, usage)
+from .reasoning import ReasoningParser
 from .request_stream import RequestStream, SequenceResult
 from .responses import timing_headers
-from .reasoning import ReasoningParser
 from .tool_calls import ToolPlan, new_call_id, parse_tool_call
 from .validation import check_input_chars, tokenize_text
 

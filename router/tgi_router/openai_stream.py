@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from . import openai_protocol as o
 from .admission import Admitted, Gate
 from .errors import GenerationError, error_response
+from .reasoning import ReasoningParser
 from .request_stream import ErrorEvent, RequestStream, SequenceResult, TokenOut
 from .sequence import FinishReason
-from .reasoning import ReasoningParser
 from .sse import compact_json
 from .tool_calls import ToolCallStream, ToolPlan, new_call_id, parse_tool_call
 
