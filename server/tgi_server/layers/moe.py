@@ -60,8 +60,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         out = torch.zeros_like(x)
-        # The T x k (token, expert) pairs sorted by expert: expert e's pairs
-        # are order[offsets[e]:offsets[e + 1]]; pair p is token p // k.
+        # The T x k (token, expert) pairs sorted by expert: expert e's are
+        # the counts[e] after those of experts < e; pair p is token p // k.
         flat = ids.flatten()                                  # [T k]
         order = torch.argsort(flat, stable=True)              # [T k]
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()

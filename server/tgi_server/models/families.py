@@ -52,6 +52,11 @@ def _per_layer_type_ropes(hf: PretrainedConfig, head_dim: int) -> Ropes:
     return tables, tuple(types.index(t) for t in hf.layer_types)
 
 
+def _qk_norms(hf: PretrainedConfig, head_dim: int) -> dict:
+    """qwen3 and qwen3_moe: an RMSNorm over each head of q and of k."""
+    return {"qk_norm": True}
+
+
 def _gemma(hf: PretrainedConfig, head_dim: int) -> dict:
     """Gemma 2 and 3: 1 + w norms, sandwich norms, scaled embeddings, their
     own attention scale, a soft cap on the logits if set; gemma2 caps the
@@ -99,12 +104,12 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(),
     "mistral": Family(),
     "qwen2": Family(qkv_bias=True),
-    "qwen3": Family(extras=lambda hf, head_dim: {"qk_norm": True}),
+    "qwen3": Family(extras=_qk_norms),
     "smollm3": Family(ropes=_smollm3_ropes),
     "phi3": Family(extras=lambda hf, head_dim: {"fused_qkv": True, "fused_gate_up": True}),
     "mixtral": Family(moe=_mixtral_moe),
     "qwen2_moe": Family(qkv_bias=True, moe=_qwen_moe),
-    "qwen3_moe": Family(extras=lambda hf, head_dim: {"qk_norm": True}, moe=_qwen_moe),
+    "qwen3_moe": Family(extras=_qk_norms, moe=_qwen_moe),
     "gemma2": Family(activations=("gelu_pytorch_tanh",), extras=_gemma),
     "gemma3_text": Family(activations=("gelu_pytorch_tanh",), ropes=_per_layer_type_ropes, extras=_gemma),
 }
