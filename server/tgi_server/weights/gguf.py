@@ -1,9 +1,10 @@
 """GGUF checkpoints (llama.cpp's single-file format) in Hugging Face terms.
 
-`GGUFFile` opens a GGUF file of a dense family we serve (llama, mistral,
-qwen2, qwen3, gemma2, gemma3) and names its tensors as `transformers`' model class
-for it does, with a config.json-equivalent dict; it dequantizes a tensor when
-asked for it. `load_gguf` dequantizes them all.
+`GGUFFile` opens a GGUF file of a family we serve (llama, mistral, qwen2,
+qwen3, gemma2, gemma3, phi3, and the mixture-of-experts mixtral, qwen2moe and
+qwen3moe) and names its tensors as `transformers`' model class for it does
+(gguf_names), with a config.json-equivalent dict (gguf_config); it
+dequantizes a tensor when asked for it. `load_gguf` dequantizes them all.
 llama.cpp's converter interleaves the rows of q_proj and k_proj of llama
 models for its rotary kernel; the loader undoes that, so the tensors drop into
 HF-layout model code (rotate-half RoPE) unchanged. For Gemma it stores each
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,52 +25,22 @@ from gguf.quants import dequantize
 
 from .errors import CheckpointError
 from .gguf_chat import FALLBACKS
-from .gguf_rope import llama3_scaling
+from .gguf_config import ROPE_FACTORS, ROPE_FREQS, SUPPORTED_ARCHITECTURES, field, gguf_config
+from .gguf_names import Part, check_shapes, hf_parts
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
-_MODEL_TYPES = {"gemma3": "gemma3_text"}  # GGUF architecture -> transformers model_type, where they differ
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
-# Architectures whose q/k rows llama.cpp's converter permuted (LlamaModel.permute).
-_PERMUTED = ("llama", "mistral")
-# Architectures whose norm weights llama.cpp stores as 1 + w.
-_NORMS_PLUS_ONE = ("gemma2", "gemma3")
-
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-}
-# Gemma's four norms a layer: ffn_norm is the MLP's input norm, as in llama,
-# but transformers calls it pre_feedforward_layernorm there.
-_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
-                      "post_attention_norm": "post_attention_layernorm",
-                      "post_ffw_norm": "post_feedforward_layernorm"}
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-# llama.cpp keeps Llama 3's rope scaling as this tensor of per-frequency divisors.
-_ROPE_FREQS = "rope_freqs.weight"
+# model types whose q/k rows llama.cpp's converter permuted (LlamaModel.permute)
+_PERMUTED = ("llama", "mistral", "mixtral")
+# model types whose norm weights llama.cpp stores as 1 + w
+_NORMS_PLUS_ONE = ("gemma2", "gemma3_text")
 
 
 @dataclass(frozen=True)
 class GGUFCheckpoint:
     """A GGUF file's model in Hugging Face terms.
 
-    config: a config.json-equivalent dict (model_type "llama" | "mistral" |
-        "qwen2", sizes, rope_theta, rope_scaling (None or an HF-style dict),
-        tie_word_embeddings, bos/eos ids, sliding_window, attention_bias).
+    config: a config.json-equivalent dict (gguf_config: model_type, sizes,
+        rope_theta, rope_scaling (None or an HF-style dict), tie_word_embeddings,
+        bos/eos ids, sliding_window, attention_bias, and each family's own).
     tensors: HF parameter names -> dequantized tensors in the requested dtype,
         linears as [out_features, in_features]; no "lm_head.weight" when the
         embeddings are tied.
@@ -93,26 +63,32 @@ class GGUFFile:
         reader = _open(self.path)
         arch = _architecture(reader, self.path)
         shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}  # numpy/HF order
-        self.config = _config(reader, arch, shapes, self.path)
-        # HF name -> (GGUF tensor, its GGUF kind, HF shape)
-        self._tensors = {}
-        self._norms_plus_one = arch in _NORMS_PLUS_ONE
-        layer_names = _GEMMA_LAYER_NAMES if arch in _NORMS_PLUS_ONE else _LAYER_NAMES
-        for tensor in reader.tensors:
-            if tensor.name != _ROPE_FREQS:
-                hf_name, kind = _hf_name(tensor.name, layer_names, self.path)
-                self._tensors[hf_name] = (tensor, kind, shapes[tensor.name])
-        _check_shapes({name: shape for name, (_, _, shape) in self._tensors.items()}, self.config, self.path)
+        self.config = gguf_config(reader, arch, shapes, self.path)
+        model_type = self.config["model_type"]
+        self._tensors = {t.name: t for t in reader.tensors}
+        self._parts: dict[str, Part] = {}  # HF name -> where it lies in the file
+        for name, shape in shapes.items():
+            if name != ROPE_FREQS and name not in ROPE_FACTORS:
+                self._parts.update(hf_parts(name, shape, model_type, self.path))
+        self._norms_plus_one = model_type in _NORMS_PLUS_ONE
+        check_shapes({name: part.shape for name, part in self._parts.items()}, self.config, self.path)
 
     @property
     def names(self) -> list[str]:
-        return list(self._tensors)
+        return list(self._parts)
 
     def tensor(self, name: str) -> np.ndarray:
         """Tensor `name` dequantized to float32 in its HF shape and row order; KeyError if absent."""
-        tensor, kind, shape = self._tensors[name]
-        array = _dequantize(tensor, shape, self.path)
-        if self._norms_plus_one and kind.endswith("norm"):
+        part = self._parts[name]
+        tensor = self._tensors[part.gguf]
+        try:
+            array = dequantize(self._stored(part), GGMLQuantizationType(tensor.tensor_type))
+        except NotImplementedError:
+            raise CheckpointError(
+                f"{self.path}: tensor {tensor.name} has unsupported type {tensor.tensor_type.name}"
+            ) from None
+        array = np.asarray(array, dtype=np.float32).reshape(part.shape)  # [out, in] for linears
+        if self._norms_plus_one and part.kind.endswith("norm"):
             array = array - np.float32(1)
         order = self._row_order(name)
         return array if order is None else array[order]
@@ -120,15 +96,23 @@ class GGUFFile:
     def blocks(self, name: str) -> tuple[np.ndarray, GGMLQuantizationType, np.ndarray | None]:
         """Tensor `name` as stored: (bytes [rows, bytes per row] uint8, block
         type, the row order giving HF's rows or None); KeyError if absent."""
-        tensor = self._tensors[name][0]
-        return np.asarray(tensor.data), GGMLQuantizationType(tensor.tensor_type), self._row_order(name)
+        part = self._parts[name]
+        kind = GGMLQuantizationType(self._tensors[part.gguf].tensor_type)
+        return self._stored(part), kind, self._row_order(name)
+
+    def _stored(self, part: Part) -> np.ndarray:
+        """The part's rows as stored (quantized: [rows, bytes per row] uint8)."""
+        data = np.asarray(self._tensors[part.gguf].data)
+        if part.rows is None:
+            return data
+        return data.reshape(-1, data.shape[-1])[part.rows[0]:part.rows[1]]
 
     def _row_order(self, name: str) -> np.ndarray | None:
-        tensor, kind, shape = self._tensors[name]
-        if self.config["model_type"] not in _PERMUTED or kind not in ("attn_q", "attn_k"):
+        part = self._parts[name]
+        if self.config["model_type"] not in _PERMUTED or part.kind not in ("attn_q", "attn_k"):
             return None
-        heads = self.config["num_attention_heads" if kind == "attn_q" else "num_key_value_heads"]
-        return _unpermute_rotary(np.arange(shape[0]), heads)
+        heads = self.config["num_attention_heads" if part.kind == "attn_q" else "num_key_value_heads"]
+        return _unpermute_rotary(np.arange(part.shape[0]), heads)
 
 
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype) -> GGUFCheckpoint:
@@ -152,6 +136,12 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     if tokenizer.chat_template is None and arch in FALLBACKS:
         tokenizer.chat_template = FALLBACKS[arch][0]
     return tokenizer
+
+
+def has_vocabulary(path: str | os.PathLike) -> bool:
+    """Whether the GGUF file at `path` carries a tokenizer (llama.cpp's
+    `tokenizer.ggml.tokens`); CheckpointError if it cannot be read."""
+    return "tokenizer.ggml.tokens" in _open(Path(path)).fields
 
 
 class _Reader(GGUFReader):
@@ -194,118 +184,12 @@ def _read(path: Path, mtime_ns: int, size: int) -> GGUFReader:
 
 
 def _architecture(reader: GGUFReader, path: Path) -> str:
-    arch = _field(reader, "general.architecture")
+    arch = field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
             f"{path}: unsupported GGUF architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     return arch
-
-
-def _config(reader: GGUFReader, arch: str, shapes: dict[str, tuple[int, ...]], path: Path) -> dict:
-    def key(name, default=None):
-        return _field(reader, f"{arch}.{name}", default)
-
-    for required in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count"):
-        if key(required) is None:
-            raise CheckpointError(f"{path}: GGUF metadata lacks {arch}.{required}")
-    if "token_embd.weight" not in shapes or "blk.0.attn_q.weight" not in shapes:
-        raise CheckpointError(f"{path}: GGUF file lacks token_embd.weight or blk.0.attn_q.weight")
-    n_heads = int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", shapes["blk.0.attn_q.weight"][0] // n_heads))
-    model_type = _MODEL_TYPES.get(arch, arch)
-    if arch == "llama" and "mistral" in str(_field(reader, "general.name", "")).lower():
-        model_type = "mistral"  # llama.cpp converts Mistral models to the llama architecture
-    rope_theta = _float32(key("rope.freq_base", 10000.0))
-    window = key("attention.sliding_window")
-    config = {
-        "model_type": model_type,
-        "architectures": [_HF_CLASSES[model_type]],
-        "vocab_size": shapes["token_embd.weight"][0],
-        "hidden_size": int(key("embedding_length")),
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", n_heads)),
-        "head_dim": head_dim,
-        "rms_norm_eps": _float32(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": rope_theta,
-        "max_position_embeddings": int(key("context_length", 2048)),
-        "tie_word_embeddings": "output.weight" not in shapes,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _eos_ids(reader, arch),
-        "sliding_window": None if window is None else int(window),
-        "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in shapes,
-        "rope_scaling": _rope_scaling(reader, arch, rope_theta, head_dim, path),
-    }
-    for key_name in ("attn_logit_softcapping", "final_logit_softcapping"):  # gemma2's, as llama.cpp writes them
-        if key(key_name) is not None:
-            config[key_name] = _float32(key(key_name))
-    return config
-
-
-def _eos_ids(reader: GGUFReader, arch: str) -> int | list[int] | None:
-    """The file's end-of-sequence id, and for families in gguf_chat.FALLBACKS
-    the id of the token that ends a turn, when the vocabulary has it."""
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    if arch not in FALLBACKS or tokens is None:
-        return eos
-    end_of_turn = FALLBACKS[arch][1].encode()
-    # field.data indexes the parts holding each token's bytes (no list of 262k strings built)
-    turn = next((i for i, part in enumerate(tokens.data) if bytes(tokens.parts[part]) == end_of_turn), None)
-    return eos if turn is None or turn == eos else [i for i in (eos, turn) if i is not None]
-
-
-def _rope_scaling(reader: GGUFReader, arch: str, theta: float, head_dim: int, path: Path) -> dict | None:
-    def key(name, default=None):
-        return _field(reader, f"{arch}.rope.{name}", default)
-
-    kind = key("scaling.type", "linear" if key("scale_linear") else "none")
-    factor = _float32(key("scaling.factor", key("scale_linear", 1.0)))
-    if kind == "none" or (kind == "linear" and factor == 1.0):
-        freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
-        if freqs is None:
-            return None
-        return llama3_scaling(np.asarray(freqs.data, np.float64), theta, head_dim, path)
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": factor}
-    if kind == "yarn":
-        scaling = {"rope_type": "yarn", "factor": factor}
-        extra = {
-            "original_max_position_embeddings": ("scaling.original_context_length", int),
-            "attention_factor": ("scaling.attn_factor", _float32),
-            "beta_fast": ("scaling.yarn_beta_fast", _float32),
-            "beta_slow": ("scaling.yarn_beta_slow", _float32),
-        }
-        for hf_key, (gguf_key, cast) in extra.items():
-            if key(gguf_key) is not None:
-                scaling[hf_key] = cast(key(gguf_key))
-        return scaling
-    raise CheckpointError(f"{path}: unsupported rope scaling type {kind!r} (supported: linear, yarn)")
-
-
-def _hf_name(name: str, layer_names: dict[str, str], path: Path) -> tuple[str, str]:
-    """(HF name, GGUF tensor kind) of a GGUF tensor name, layer tensors named
-    by `layer_names`; CheckpointError for tensors we cannot serve."""
-    stem, _, suffix = name.rpartition(".")
-    if stem in _GLOBAL_NAMES and suffix == "weight":
-        return f"{_GLOBAL_NAMES[stem]}.weight", stem
-    match = _LAYER_TENSOR.fullmatch(name)
-    if match and match.group(2) in layer_names:
-        layer, kind, suffix = match.groups()
-        return f"model.layers.{layer}.{layer_names[kind]}.{suffix}", kind
-    raise CheckpointError(f"{path}: unsupported tensor {name} in this GGUF file")
-
-
-def _dequantize(tensor, shape: tuple[int, ...], path: Path) -> np.ndarray:
-    try:
-        array = dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type))
-    except NotImplementedError:
-        raise CheckpointError(
-            f"{path}: tensor {tensor.name} has unsupported type {tensor.tensor_type.name}"
-        ) from None
-    return np.asarray(array, dtype=np.float32).reshape(shape)  # [out, in] for linears
 
 
 def _unpermute_rotary(array: np.ndarray, n_heads: int) -> np.ndarray:
@@ -318,53 +202,6 @@ def _unpermute_rotary(array: np.ndarray, n_heads: int) -> np.ndarray:
     rows = array.shape[0]
     per_head = array.reshape(n_heads, rows // n_heads // 2, 2, *array.shape[1:])
     return per_head.swapaxes(1, 2).reshape(array.shape)
-
-
-def _check_shapes(shapes: dict[str, tuple[int, ...]], config: dict, path: Path) -> None:
-    """Every tensor the HF model needs is present with the HF shape (`shapes`: HF name -> shape)."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    q_rows = config["num_attention_heads"] * config["head_dim"]
-    kv_rows = config["num_key_value_heads"] * config["head_dim"]
-    expected = {"model.embed_tokens.weight": (config["vocab_size"], hidden), "model.norm.weight": (hidden,)}
-    if not config["tie_word_embeddings"]:
-        expected["lm_head.weight"] = (config["vocab_size"], hidden)
-    layer_shapes = {
-        "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
-        "self_attn.q_proj.weight": (q_rows, hidden), "self_attn.k_proj.weight": (kv_rows, hidden),
-        "self_attn.v_proj.weight": (kv_rows, hidden), "self_attn.o_proj.weight": (hidden, q_rows),
-        "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
-        "mlp.down_proj.weight": (hidden, inter),
-    }
-    if config["attention_bias"]:
-        layer_shapes.update({"self_attn.q_proj.bias": (q_rows,), "self_attn.k_proj.bias": (kv_rows,),
-                             "self_attn.v_proj.bias": (kv_rows,)})
-    if config["model_type"] in ("qwen3", "gemma3_text"):
-        layer_shapes.update({"self_attn.q_norm.weight": (config["head_dim"],),
-                             "self_attn.k_norm.weight": (config["head_dim"],)})
-    if config["model_type"] in ("gemma2", "gemma3_text"):
-        layer_shapes.update({"pre_feedforward_layernorm.weight": (hidden,),
-                             "post_feedforward_layernorm.weight": (hidden,)})
-    for layer in range(config["num_hidden_layers"]):
-        expected.update({f"model.layers.{layer}.{name}": shape for name, shape in layer_shapes.items()})
-    for name, shape in expected.items():
-        if name not in shapes:
-            raise CheckpointError(f"{path}: tensor {name} is missing from the GGUF file")
-        if shapes[name] != shape:
-            got = shapes[name]
-            raise CheckpointError(f"{path}: tensor {name} has shape {got}, expected {shape}")
-    extra = sorted(name for name in set(shapes) - set(expected) if not name.endswith(".bias"))
-    if extra:
-        raise CheckpointError(f"{path}: unexpected tensor {extra[0]} in the GGUF file")
-
-
-def _field(reader: GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _float32(value) -> float:
-    """A float32 metadata value as the decimal it was written from (9.99999974e-06 -> 1e-05)."""
-    return float(str(np.float32(value)))
 
 
 def _one_line(err: BaseException) -> str:

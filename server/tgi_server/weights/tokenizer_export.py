@@ -9,9 +9,9 @@ from .resolve import ModelSource
 
 def export_tokenizer(source: ModelSource) -> tuple[str, str]:
     """(tokenizer.json text, tokenizer config JSON text) for the checkpoint;
-    ("", "") when a directory holds no tokenizer (a shard serves token ids
-    only; the router refuses to start without a tokenizer)."""
-    if source.format == "safetensors" and not has_tokenizer_files(source):
+    ("", "") when a directory or GGUF file holds no tokenizer (a shard serves
+    token ids only; the router refuses to start without a tokenizer)."""
+    if not has_tokenizer_files(source):
         return "", ""
     tokenizer = _load(source)
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -42,6 +42,11 @@ def _load(source: ModelSource):
 
 def has_tokenizer_files(source: ModelSource) -> bool:
     """Whether a checkpoint directory holds a tokenizer (transformers 5
-    builds an empty one for some model types rather than fail without)."""
+    builds an empty one for some model types rather than fail without), or
+    a GGUF file a vocabulary."""
+    if source.format == "gguf":
+        from .gguf import has_vocabulary
+
+        return has_vocabulary(source.path)
     names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
     return any((source.path / n).exists() for n in names)
