@@ -25,6 +25,7 @@ DTYPES = ("float16", "bfloat16", "float32", "float64")
 QUANTIZE = ("awq", "compressed-tensors", "eetq", "exl2", "gptq", "marlin", "bitsandbytes",
             "bitsandbytes-nf4", "bitsandbytes-fp4", "fp8")
 QUANTIZE_SERVED = ("awq", "eetq", "gptq")    # the rest are TGI's choices we do not implement
+ROPE_SCALINGS = ("linear", "dynamic", "yarn")  # TGI: linear, dynamic; ours: yarn too
 
 
 class ConfigError(ValueError):
@@ -69,6 +70,9 @@ class RouterConfig:
     flash_attention: bool = False  # refuse to start without a flash-style attention backend
     disable_grammar_support: bool = False
     cuda_graphs: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # decode batch sizes captured on CUDA; (): none
+    rope_scaling: str | None = None  # overrides the checkpoint's RoPE scaling (with rope_factor)
+    rope_factor: float | None = None
+    cuda_memory_fraction: float = 1.0  # of each GPU's memory a shard may hold (KV cache sized at Warmup)
     # Ours, not TGI's.
     kv_cache_bytes: int = 0        # KV cache budget passed to each shard; 0: sized at Warmup
     num_threads: int = 0           # torch threads per shard on CPU; 0: torch's default
@@ -178,6 +182,11 @@ _FLAGS = (
     _Flag("graceful_termination_timeout", _count, "seconds to drain requests on SIGTERM (default: 90)"),
     _Flag("disable_grammar_support", None, "refuse grammars, response_format schemas and tools (422)"),
     _Flag("flash_attention", None, "require flash-style attention (flash-attn on CUDA; our C++ kernels or SDPA on CPU)"),
+    _Flag("rope_scaling", _choice(ROPE_SCALINGS), "RoPE scaling replacing the checkpoint's: linear, dynamic "
+          "or yarn (ours), with --rope-factor (default 1.0); the model's length grows by the factor"),
+    _Flag("rope_factor", _float, "RoPE scaling factor; alone it means linear scaling"),
+    _Flag("cuda_memory_fraction", _float, "share of each GPU's memory a shard may hold: Warmup gives the KV "
+          "cache what is free beyond (1 - fraction) of the total; no effect on CPU (default: 1.0)"),
     _Flag("cuda_graphs", _batch_sizes, "decode batch sizes captured as CUDA graphs at warmup, "
           "e.g. 1,2,4,8; 0 turns them off; CUDA only (default: 1,2,4,8,16,32)"),
     # Ours.
@@ -197,12 +206,11 @@ _FLAGS = (
 # command line still starts. name -> takes a value.
 _IGNORED = {"validation_workers": True, "speculate": True,
             "weights_cache_override": True, "disable_custom_kernels": False,
-            "cuda_memory_fraction": True, "otlp_endpoint": True, "otlp_service_name": True,
+            "otlp_endpoint": True, "otlp_service_name": True,
             "usage_stats": True, "enable_prefill_logprobs": False, "ngrok_authtoken": True,
             "ngrok_edge": True, "env": False}
 # TGI flags whose effect we cannot give yet: refused.
-_UNSUPPORTED = ("kv_cache_dtype", "rope_scaling", "rope_factor", "watermark_gamma",
-                "watermark_delta", "lora_adapters", "ngrok")
+_UNSUPPORTED = ("kv_cache_dtype", "watermark_gamma", "watermark_delta", "lora_adapters", "ngrok")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -329,6 +337,10 @@ def _validate(c: RouterConfig) -> None:
         raise ConfigError(f"`request_read_timeout` must be >= 0. Given: {c.request_read_timeout}")
     if c.max_batch_size == 0:
         raise ConfigError("`max_batch_size` must be > 0")
+    if not 0 < c.cuda_memory_fraction <= 1:
+        raise ConfigError(f"`cuda_memory_fraction` must be in (0, 1]. Given: {c.cuda_memory_fraction}")
+    if c.rope_factor is not None and c.rope_factor <= 0:
+        raise ConfigError(f"`rope_factor` must be > 0. Given: {c.rope_factor}")
     if None not in (c.max_input_tokens, c.max_total_tokens) and c.max_input_tokens >= c.max_total_tokens:
         raise ConfigError(f"`max_input_tokens`({c.max_input_tokens}) must be < "
                           f"`max_total_tokens`({c.max_total_tokens})")

@@ -47,7 +47,19 @@ def shard_command(config: RouterConfig, rank: int) -> list[str]:
                         ("--cuda-graphs", ",".join(map(str, config.cuda_graphs)))):
         if value:
             command += [flag, str(value)]
+    if config.cuda_memory_fraction != 1.0:
+        command += ["--cuda-memory-fraction", str(config.cuda_memory_fraction)]
+    if rope := rope_override(config):
+        command += ["--rope-scaling", rope[0], "--rope-factor", str(rope[1])]
     return command
+
+
+def rope_override(config: RouterConfig) -> tuple[str, float] | None:
+    """TGI's pairing of --rope-scaling and --rope-factor: a scaling without a
+    factor has factor 1.0, a factor without a scaling is linear."""
+    if config.rope_scaling is None and config.rope_factor is None:
+        return None
+    return config.rope_scaling or "linear", 1.0 if config.rope_factor is None else config.rope_factor
 
 
 def shard_env(config: RouterConfig, rank: int, base: Mapping[str, str]) -> dict[str, str]:

@@ -13,6 +13,7 @@ from typing import NoReturn
 from .config import ShardConfig
 
 QUANTIZE_METHODS = ("gptq", "awq", "eetq")  # quant.METHODS, without importing torch to parse flags
+ROPE_SCALINGS = ("linear", "dynamic", "yarn")  # models.rope_override.SCALINGS, likewise
 
 log = logging.getLogger("tgi_server")
 
@@ -57,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--num-threads", type=int, default=0, help="torch threads on CPU (0 = torch default)")
     serve.add_argument("--quantize", choices=QUANTIZE_METHODS, default=None,
                        help="gptq | awq | eetq (default: config.json's quantization_config)")
+    serve.add_argument("--rope-scaling", choices=ROPE_SCALINGS, default=None,
+                       help="RoPE scaling replacing the checkpoint's (with --rope-factor; the launcher "
+                            "pairs TGI's flags)")
+    serve.add_argument("--rope-factor", type=float, default=None, help="RoPE scaling factor (> 0)")
+    serve.add_argument("--cuda-memory-fraction", type=float, default=1.0,
+                       help="share of the GPU's memory the shard may hold when Warmup sizes the KV cache")
     serve.add_argument("--json-output", action="store_true", help="log JSON lines")
     quantize = sub.add_parser("quantize", help="write a GPTQ or AWQ checkpoint of a float model")
     quantize.add_argument("model_id", help="local directory, .gguf file or hub id in the HF cache")
@@ -87,7 +94,22 @@ def config_from_args(args: argparse.Namespace) -> ShardConfig:
         device=args.device, block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
         attention_backend=args.attention_backend, num_threads=args.num_threads, quantize=args.quantize,
         rank=rank, world_size=world_size, master_addr=os.environ.get("MASTER_ADDR", "localhost"),
-        master_port=int(os.environ.get("MASTER_PORT", "29500")), cuda_graphs=args.cuda_graphs)
+        master_port=int(os.environ.get("MASTER_PORT", "29500")), cuda_graphs=args.cuda_graphs,
+        rope=_rope(args.rope_scaling, args.rope_factor), cuda_memory_fraction=_fraction(args.cuda_memory_fraction))
+
+
+def _fraction(value: float) -> float:
+    if not 0 < value <= 1:
+        raise SystemExit("error: --cuda-memory-fraction must be in (0, 1]")
+    return value
+
+
+def _rope(scaling: str | None, factor: float | None) -> tuple[str, float] | None:
+    if (scaling is None) != (factor is None):
+        raise SystemExit("error: --rope-scaling and --rope-factor go together")
+    if factor is not None and not factor > 0:
+        raise SystemExit("error: --rope-factor must be > 0")
+    return None if scaling is None else (scaling, factor)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,6 +22,8 @@ class ShardConfig:
     master_addr: str = "localhost"  # where rank 0 hosts the tensor-parallel rendezvous
     master_port: int = 29500
     cuda_graphs: tuple[int, ...] = ()  # decode batch sizes captured as CUDA graphs at Warmup (CUDA only)
+    rope: tuple[str, float] | None = None  # (scaling, factor) replacing the checkpoint's RoPE scaling
+    cuda_memory_fraction: float = 1.0  # of a GPU's memory the shard may hold when Warmup sizes the cache
 
     @property
     def socket_path(self) -> str:

@@ -9,13 +9,21 @@ CPU_CAP = 4 << 30
 CUDA_FRACTION = 0.9         # of free device memory after Warmup's largest step
 
 
-def kv_cache_budget(device: torch.device, world_size: int = 1) -> int:
+def kv_cache_budget(device: torch.device, world_size: int = 1, memory_fraction: float = 1.0) -> int:
     """Bytes for this rank's cache. The ranks of a CPU group share the host's
-    memory, so each takes 1/world_size of the host's share; a GPU is a rank's own."""
+    memory, so each takes 1/world_size of the host's share; a GPU is a rank's
+    own, of which the shard may hold `memory_fraction` (--cuda-memory-fraction,
+    as TGI: what is free beyond (1 - fraction) of the device's total)."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * CUDA_FRACTION)
+        free, total = torch.cuda.mem_get_info(device)
+        return cuda_budget(free, total, memory_fraction)
     return int(min(_mem_available() * CPU_FRACTION, CPU_CAP) / world_size)
+
+
+def cuda_budget(free: int, total: int, memory_fraction: float) -> int:
+    """The cache's bytes on a GPU with `free` of `total` bytes free after
+    Warmup's largest step, when the shard may use `memory_fraction` of it all."""
+    return int(max(0.0, free - (1.0 - memory_fraction) * total) * CUDA_FRACTION)
 
 
 def _mem_available() -> int:

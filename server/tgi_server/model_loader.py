@@ -2,6 +2,7 @@
 `open_checkpoint` reads the model's facts (no weights yet), `load_model`
 builds this rank's slice of the model from them."""
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from .distributed import TensorParallel
 from .models import ModelConfig, build_model
+from .models.rope_override import override_rope
 from .quant import linear_format
 from .weights.errors import CheckpointError
 from .weights.resolve import ModelSource
@@ -64,14 +66,16 @@ def _cpu_has_bf16() -> bool:
 
 
 def open_checkpoint(source: ModelSource, dtype: torch.dtype, device: torch.device,
-                    quantize: str | None = None,
-                    quant_kernel_dtype: torch.dtype | None = None) -> tuple[ModelConfig, TensorSource]:
+                    quantize: str | None = None, quant_kernel_dtype: torch.dtype | None = None,
+                    rope: tuple[str, float] | None = None) -> tuple[ModelConfig, TensorSource]:
     """The model's facts and a source of its tensors in (dtype, device); reads
     no weight. `quantize` (gptq | awq | eetq; None: config.json's
     quantization_config, if any) picks how linears load; a GGUF file serves
     its Q4_0/Q4_1 blocks quantized. quant_kernel_dtype: the activations'
     dtype inside quantized CPU kernels (QuantLinear's kernel_dtype; None:
-    dtype). CheckpointError when the checkpoint cannot be served."""
+    dtype). rope: (scaling, factor) replacing the checkpoint's RoPE scaling
+    (models/rope_override.py). CheckpointError when the checkpoint cannot
+    be served."""
     if source.format == "gguf":
         from .quant.gguf_linear import GGUFFormat
         from .quant.quant_linear import PACKED_KERNEL_DTYPES
@@ -87,7 +91,7 @@ def open_checkpoint(source: ModelSource, dtype: torch.dtype, device: torch.devic
         # torch's packed kernels take 16- and 32-bit activations only.
         if dtype in PACKED_KERNEL_DTYPES:
             weights.linear_format = GGUFFormat(file)
-        return ModelConfig.from_hf(_config_from_dict(file.config)), weights
+        return _model_config(_config_from_dict(file.config), rope), weights
     try:
         # Never the hub's code: a model that needs it fails here, without a prompt.
         hf_config = AutoConfig.from_pretrained(source.path, trust_remote_code=False)
@@ -99,7 +103,14 @@ def open_checkpoint(source: ModelSource, dtype: torch.dtype, device: torch.devic
     weights = SafetensorsSource(source.path, dtype, device)
     weights.linear_format = linear_format(quantize, quant)
     weights.quant_kernel_dtype = quant_kernel_dtype
-    return ModelConfig.from_hf(hf_config), weights
+    return _model_config(hf_config, rope), weights
+
+
+def _model_config(hf_config: PretrainedConfig, rope: tuple[str, float] | None) -> ModelConfig:
+    if rope is None:
+        return ModelConfig.from_hf(hf_config)
+    length = override_rope(hf_config, *rope)
+    return dataclasses.replace(ModelConfig.from_hf(hf_config), max_position_embeddings=length)
 
 
 def load_model(config: ModelConfig, weights: TensorSource, tp: TensorParallel) -> LoadedModel:

@@ -38,7 +38,7 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, block_size: int, attention_backend: str | None,
                  kv_cache_bytes: int, grammars: GrammarCompiler | None = None,
-                 cuda_graphs: tuple[int, ...] = ()):
+                 cuda_graphs: tuple[int, ...] = (), memory_fraction: float = 1.0):
         self.model = loaded.model
         self.config = loaded.config
         self.device = loaded.device
@@ -50,6 +50,7 @@ class ModelRunner:
             raise ValueError(f"the {self.backend} attention backend cannot cap attention scores "
                              f"(this {self.config.model_type} model does); use one of {', '.join(SOFTCAP_BACKENDS)}")
         self.kv_cache_bytes = kv_cache_bytes  # the shard's flag, per rank; 0 = automatic
+        self.memory_fraction = memory_fraction  # of a GPU's memory the shard may hold (automatic budget)
         self.sampler = Sampler()
         self.grammars = grammars
         self.kv_spec = KVCacheSpec(self.config.num_layers, self.model.heads.num_kv_heads,
@@ -80,7 +81,8 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.run_scratch(prefill_tokens, min(batch_size, 8), decode=False)
         self.run_scratch(batch_size, batch_size, decode=True)
-        budget = request.kv_cache_bytes or self.kv_cache_bytes or kv_cache_budget(self.device, self.tp.world_size)
+        budget = (request.kv_cache_bytes or self.kv_cache_bytes
+                  or kv_cache_budget(self.device, self.tp.world_size, self.memory_fraction))
         num_blocks = int(max(1, budget // self.kv_spec.bytes_per_block - 1))  # one block stays the scratch block
         num_blocks = self.tp.min_over_ranks(num_blocks)
         self.cache = KVCache(self.kv_spec, num_blocks, self.device)

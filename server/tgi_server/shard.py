@@ -53,7 +53,10 @@ def load_shard(config: ShardConfig) -> tuple[ModelRunner, pb.InfoResponse]:
     source = resolve_model(config.model_id, config.revision)
     log.info("loading %s (%s) as %s on %s", source.model_id, source.path, str(dtype).removeprefix("torch."), device)
     start = time.perf_counter()
-    c, weights = open_checkpoint(source, dtype, device, config.quantize, kernel_dtype)
+    c, weights = open_checkpoint(source, dtype, device, config.quantize, kernel_dtype, config.rope)
+    if config.rope:
+        log.info("RoPE scaling %s at factor %g replaces the checkpoint's: the model serves %d positions",
+                 *config.rope, c.max_position_embeddings)
     c.check_tensor_parallel(config.world_size)
     tp = TensorParallel.connect(config.rank, config.world_size, config.master_addr, config.master_port, device)
     loaded = load_model(c, weights, tp)
@@ -62,7 +65,7 @@ def load_shard(config: ShardConfig) -> tuple[ModelRunner, pb.InfoResponse]:
     grammars = (GrammarCompiler(tokenizer_json, c.vocab_size, c.eos_token_ids)
                 if tokenizer_json and tp.rank == 0 else None)
     runner = ModelRunner(loaded, config.block_size, config.attention_backend, config.kv_cache_bytes, grammars,
-                         config.cuda_graphs)
+                         config.cuda_graphs, config.cuda_memory_fraction)
     heads = loaded.model.heads
     log.info("loaded %s: %d layers in %.1f s; attention backend %s; shard %d of %d holds %d of %d query "
              "heads, %d of %d kv heads, %.1f MiB of weights (%d bytes)",

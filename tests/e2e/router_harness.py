@@ -70,10 +70,11 @@ class RunningServer:
         self.shard.__exit__(*exc)
 
 
-def launch(model: str | None, tmp_path, *flags) -> tuple[subprocess.Popen, str]:
+def launch(model: str | None, tmp_path, *flags, default_limits: bool = True) -> tuple[subprocess.Popen, str]:
     """model None: the default model (SmolLM2-135M-Instruct). The launcher's
     output (its shards' too) goes to tmp_path/launcher.log: an undrained pipe
-    would fill up and block the launcher in its next log line."""
+    would fill up and block the launcher in its next log line. default_limits
+    False: no --max-total-tokens / --max-input-tokens (the router derives them)."""
     port = free_port()
     model_flags = ["--model-id", model] if model else []
     Path(tmp_path).mkdir(parents=True, exist_ok=True)
@@ -82,7 +83,7 @@ def launch(model: str | None, tmp_path, *flags) -> tuple[subprocess.Popen, str]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tgi_router.launcher", *model_flags, "--port", str(port),
              "--hostname", "127.0.0.1", "--shard-uds-path", str(tmp_path / "shard"), "--kv-cache-bytes", "16MiB",
-             "--max-total-tokens", "1024", "--max-input-tokens", "512", *flags],
+             *(["--max-total-tokens", "1024", "--max-input-tokens", "512"] if default_limits else []), *flags],
             stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180  # shards load and warm up on a shared 2-core machine

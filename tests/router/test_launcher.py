@@ -244,6 +244,28 @@ def test_shard_command_line_and_environment():
         "HF_HUB_CACHE": "/data", "HUGGINGFACE_HUB_CACHE": "/data", "PATH": "/bin", "LOG_LEVEL": "INFO"}
 
 
+@pytest.mark.parametrize("argv,env,passed", [
+    ([], {}, None),
+    (["--rope-scaling", "dynamic"], {}, ["dynamic", "1.0"]),           # TGI: a scaling alone has factor 1
+    (["--rope-factor", "2"], {}, ["linear", "2.0"]),                   # a factor alone is linear
+    (["--rope-scaling", "yarn", "--rope-factor", "4"], {}, ["yarn", "4.0"]),
+    ([], {"ROPE_SCALING": "linear", "ROPE_FACTOR": "1.5"}, ["linear", "1.5"]),
+])
+def test_rope_flags_reach_the_shard_paired_as_tgi_pairs_them(argv, env, passed):
+    command = shard_command(parse_args(argv, env), 0)
+    if passed is None:
+        assert "--rope-scaling" not in command
+    else:
+        at = command.index("--rope-scaling")
+        assert command[at:at + 4] == ["--rope-scaling", passed[0], "--rope-factor", passed[1]]
+
+
+def test_cuda_memory_fraction_reaches_the_shard_when_below_one():
+    assert "--cuda-memory-fraction" not in shard_command(parse_args([], {}), 0)
+    command = shard_command(parse_args([], {"CUDA_MEMORY_FRACTION": "0.5"}), 0)
+    assert command[command.index("--cuda-memory-fraction") + 1] == "0.5"
+
+
 def test_default_model_is_left_to_the_shard():
     assert shard_command(RouterConfig(), 0)[4:6] == ["--uds-path", "/tmp/text-generation-server"]
 
