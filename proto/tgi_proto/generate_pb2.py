@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0egenerate.proto\x12\x0bgenerate.v1\"\r\n\x0bInfoRequest\"\xb8\x03\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x12\n\nnum_layers\x18\t \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\n \x01(\r\x12\x10\n\x08head_dim\x18\x0b \x01(\r\x12\x16\n\x0esliding_window\x18\x0c \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\r \x01(\t\x12\x0c\n\x04rank\x18\x0e \x01(\r\x12\x12\n\nworld_size\x18\x0f \x01(\r\x12\x12\n\nnum_blocks\x18\x10 \x01(\r\x12\x14\n\x0c\x62os_token_id\x18\x11 \x01(\r\x12\x11\n\twarmed_up\x18\x12 \x01(\x08\x12\x16\n\x0etokenizer_json\x18\x13 \x01(\t\x12\x1d\n\x15tokenizer_config_json\x18\x14 \x01(\t\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"a\n\rWarmupRequest\x12 \n\x18max_batch_prefill_tokens\x18\x01 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x03 \x01(\x04\"\x87\x01\n\x0eWarmupResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x03 \x01(\x04\x12\"\n\x1amax_supported_total_tokens\x18\x04 \x01(\x04\x12\x11\n\twarmup_ns\x18\x05 \x01(\x04\"\xb4\x02\n\x12SamplingParameters\x12\x11\n\tdo_sample\x18\x01 \x01(\x08\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\ttypical_p\x18\x05 \x01(\x02\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x14\n\x0ctop_n_tokens\x18\x0b \x01(\r\x12\x18\n\x10prefill_logprobs\x18\x0c \x01(\x08\x12\x0f\n\x07grammar\x18\r \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x0e \x01(\r\"\xc8\x01\n\x0bNewSequence\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rprompt_length\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x06 \x03(\r\x12\x33\n\nparameters\x18\x07 \x01(\x0b\x32\x1f.generate.v1.SamplingParameters\"X\n\x0fRunningSequence\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x01(\rJ\x04\x08\x02\x10\x03\"\xaa\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\rnew_sequences\x18\x02 \x03(\x0b\x32\x18.generate.v1.NewSequence\x12-\n\x07running\x18\x03 \x03(\x0b\x32\x1c.generate.v1.RunningSequence\x12\x13\n\x0brelease_ids\x18\x04 \x03(\x04\x12\x15\n\rafter_step_id\x18\x05 \x01(\x04\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xe5\x01\n\nGeneration\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0f\n\x07sampled\x18\x02 \x01(\x08\x12\x10\n\x08token_id\x18\x03 \x01(\r\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12-\n\ntop_tokens\x18\x05 \x03(\x0b\x32\x19.generate.v1.TokenLogprob\x12\x31\n\x0eprefill_tokens\x18\x06 \x03(\x0b\x32\x19.generate.v1.TokenLogprob\x12\x1b\n\x13num_computed_tokens\x18\x07 \x01(\r\x12\x18\n\x10grammar_complete\x18\x08 \x01(\x08\"V\n\x07Timings\x12\x12\n\nprepare_ns\x18\x01 \x01(\x04\x12\x12\n\nforward_ns\x18\x02 \x01(\x04\x12\x11\n\tsample_ns\x18\x03 \x01(\x04\x12\x10\n\x08total_ns\x18\x04 \x01(\x04\"t\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12,\n\x0bgenerations\x18\x02 \x03(\x0b\x32\x17.generate.v1.Generation\x12%\n\x07timings\x18\x03 \x01(\x0b\x32\x14.generate.v1.Timings\"\x1d\n\x0eReleaseRequest\x12\x0b\n\x03ids\x18\x01 \x03(\x04\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\x13\n\x11\x43learCacheRequest\"\x14\n\x12\x43learCacheResponse2\xac\x03\n\x15TextGenerationService\x12;\n\x04Info\x12\x18.generate.v1.InfoRequest\x1a\x19.generate.v1.InfoResponse\x12\x41\n\x06Health\x12\x1a.generate.v1.HealthRequest\x1a\x1b.generate.v1.HealthResponse\x12\x41\n\x06Warmup\x12\x1a.generate.v1.WarmupRequest\x1a\x1b.generate.v1.WarmupResponse\x12;\n\x04Step\x12\x18.generate.v1.StepRequest\x1a\x19.generate.v1.StepResponse\x12\x44\n\x07Release\x12\x1b.generate.v1.ReleaseRequest\x1a\x1c.generate.v1.ReleaseResponse\x12M\n\nClearCache\x12\x1e.generate.v1.ClearCacheRequest\x1a\x1f.generate.v1.ClearCacheResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0egenerate.proto\x12\x0bgenerate.v1\"\r\n\x0bInfoRequest\"\xb8\x03\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x12\n\nnum_layers\x18\t \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\n \x01(\r\x12\x10\n\x08head_dim\x18\x0b \x01(\r\x12\x16\n\x0esliding_window\x18\x0c \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\r \x01(\t\x12\x0c\n\x04rank\x18\x0e \x01(\r\x12\x12\n\nworld_size\x18\x0f \x01(\r\x12\x12\n\nnum_blocks\x18\x10 \x01(\r\x12\x14\n\x0c\x62os_token_id\x18\x11 \x01(\r\x12\x11\n\twarmed_up\x18\x12 \x01(\x08\x12\x16\n\x0etokenizer_json\x18\x13 \x01(\t\x12\x1d\n\x15tokenizer_config_json\x18\x14 \x01(\t\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"a\n\rWarmupRequest\x12 \n\x18max_batch_prefill_tokens\x18\x01 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x03 \x01(\x04\"\x87\x01\n\x0eWarmupResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x03 \x01(\x04\x12\"\n\x1amax_supported_total_tokens\x18\x04 \x01(\x04\x12\x11\n\twarmup_ns\x18\x05 \x01(\x04\"\xc7\x02\n\x12SamplingParameters\x12\x11\n\tdo_sample\x18\x01 \x01(\x08\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\ttypical_p\x18\x05 \x01(\x02\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x14\n\x0ctop_n_tokens\x18\x0b \x01(\r\x12\x18\n\x10prefill_logprobs\x18\x0c \x01(\x08\x12\x0f\n\x07grammar\x18\r \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x0e \x01(\r\x12\x11\n\twatermark\x18\x0f \x01(\x08\"\xc8\x01\n\x0bNewSequence\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rprompt_length\x18\x03 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12\x13\n\x0b\x62lock_table\x18\x06 \x03(\r\x12\x33\n\nparameters\x18\x07 \x01(\x0b\x32\x1f.generate.v1.SamplingParameters\"X\n\x0fRunningSequence\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x15\n\rnew_block_ids\x18\x03 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x01(\rJ\x04\x08\x02\x10\x03\"\xaa\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\rnew_sequences\x18\x02 \x03(\x0b\x32\x18.generate.v1.NewSequence\x12-\n\x07running\x18\x03 \x03(\x0b\x32\x1c.generate.v1.RunningSequence\x12\x13\n\x0brelease_ids\x18\x04 \x03(\x04\x12\x15\n\rafter_step_id\x18\x05 \x01(\x04\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xe5\x01\n\nGeneration\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0f\n\x07sampled\x18\x02 \x01(\x08\x12\x10\n\x08token_id\x18\x03 \x01(\r\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12-\n\ntop_tokens\x18\x05 \x03(\x0b\x32\x19.generate.v1.TokenLogprob\x12\x31\n\x0eprefill_tokens\x18\x06 \x03(\x0b\x32\x19.generate.v1.TokenLogprob\x12\x1b\n\x13num_computed_tokens\x18\x07 \x01(\r\x12\x18\n\x10grammar_complete\x18\x08 \x01(\x08\"V\n\x07Timings\x12\x12\n\nprepare_ns\x18\x01 \x01(\x04\x12\x12\n\nforward_ns\x18\x02 \x01(\x04\x12\x11\n\tsample_ns\x18\x03 \x01(\x04\x12\x10\n\x08total_ns\x18\x04 \x01(\x04\"t\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12,\n\x0bgenerations\x18\x02 \x03(\x0b\x32\x17.generate.v1.Generation\x12%\n\x07timings\x18\x03 \x01(\x0b\x32\x14.generate.v1.Timings\"\x1d\n\x0eReleaseRequest\x12\x0b\n\x03ids\x18\x01 \x03(\x04\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\x13\n\x11\x43learCacheRequest\"\x14\n\x12\x43learCacheResponse2\xac\x03\n\x15TextGenerationService\x12;\n\x04Info\x12\x18.generate.v1.InfoRequest\x1a\x19.generate.v1.InfoResponse\x12\x41\n\x06Health\x12\x1a.generate.v1.HealthRequest\x1a\x1b.generate.v1.HealthResponse\x12\x41\n\x06Warmup\x12\x1a.generate.v1.WarmupRequest\x1a\x1b.generate.v1.WarmupResponse\x12;\n\x04Step\x12\x18.generate.v1.StepRequest\x1a\x19.generate.v1.StepResponse\x12\x44\n\x07Release\x12\x1b.generate.v1.ReleaseRequest\x1a\x1c.generate.v1.ReleaseResponse\x12M\n\nClearCache\x12\x1e.generate.v1.ClearCacheRequest\x1a\x1f.generate.v1.ClearCacheResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,29 +44,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WARMUPRESPONSE']._serialized_start=624
   _globals['_WARMUPRESPONSE']._serialized_end=759
   _globals['_SAMPLINGPARAMETERS']._serialized_start=762
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=1070
-  _globals['_NEWSEQUENCE']._serialized_start=1073
-  _globals['_NEWSEQUENCE']._serialized_end=1273
-  _globals['_RUNNINGSEQUENCE']._serialized_start=1275
-  _globals['_RUNNINGSEQUENCE']._serialized_end=1363
-  _globals['_STEPREQUEST']._serialized_start=1366
-  _globals['_STEPREQUEST']._serialized_end=1536
-  _globals['_TOKENLOGPROB']._serialized_start=1538
-  _globals['_TOKENLOGPROB']._serialized_end=1587
-  _globals['_GENERATION']._serialized_start=1590
-  _globals['_GENERATION']._serialized_end=1819
-  _globals['_TIMINGS']._serialized_start=1821
-  _globals['_TIMINGS']._serialized_end=1907
-  _globals['_STEPRESPONSE']._serialized_start=1909
-  _globals['_STEPRESPONSE']._serialized_end=2025
-  _globals['_RELEASEREQUEST']._serialized_start=2027
-  _globals['_RELEASEREQUEST']._serialized_end=2056
-  _globals['_RELEASERESPONSE']._serialized_start=2058
-  _globals['_RELEASERESPONSE']._serialized_end=2093
-  _globals['_CLEARCACHEREQUEST']._serialized_start=2095
-  _globals['_CLEARCACHEREQUEST']._serialized_end=2114
-  _globals['_CLEARCACHERESPONSE']._serialized_start=2116
-  _globals['_CLEARCACHERESPONSE']._serialized_end=2136
-  _globals['_TEXTGENERATIONSERVICE']._serialized_start=2139
-  _globals['_TEXTGENERATIONSERVICE']._serialized_end=2567
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=1089
+  _globals['_NEWSEQUENCE']._serialized_start=1092
+  _globals['_NEWSEQUENCE']._serialized_end=1292
+  _globals['_RUNNINGSEQUENCE']._serialized_start=1294
+  _globals['_RUNNINGSEQUENCE']._serialized_end=1382
+  _globals['_STEPREQUEST']._serialized_start=1385
+  _globals['_STEPREQUEST']._serialized_end=1555
+  _globals['_TOKENLOGPROB']._serialized_start=1557
+  _globals['_TOKENLOGPROB']._serialized_end=1606
+  _globals['_GENERATION']._serialized_start=1609
+  _globals['_GENERATION']._serialized_end=1838
+  _globals['_TIMINGS']._serialized_start=1840
+  _globals['_TIMINGS']._serialized_end=1926
+  _globals['_STEPRESPONSE']._serialized_start=1928
+  _globals['_STEPRESPONSE']._serialized_end=2044
+  _globals['_RELEASEREQUEST']._serialized_start=2046
+  _globals['_RELEASEREQUEST']._serialized_end=2075
+  _globals['_RELEASERESPONSE']._serialized_start=2077
+  _globals['_RELEASERESPONSE']._serialized_end=2112
+  _globals['_CLEARCACHEREQUEST']._serialized_start=2114
+  _globals['_CLEARCACHEREQUEST']._serialized_end=2133
+  _globals['_CLEARCACHERESPONSE']._serialized_start=2135
+  _globals['_CLEARCACHERESPONSE']._serialized_end=2155
+  _globals['_TEXTGENERATIONSERVICE']._serialized_start=2158
+  _globals['_TEXTGENERATIONSERVICE']._serialized_end=2586
 # @@protoc_insertion_point(module_scope)

@@ -73,6 +73,8 @@ class RouterConfig:
     rope_scaling: str | None = None  # overrides the checkpoint's RoPE scaling (with rope_factor)
     rope_factor: float | None = None
     cuda_memory_fraction: float = 1.0  # of each GPU's memory a shard may hold (KV cache sized at Warmup)
+    watermark_gamma: float | None = None  # None: the shard's default, 0.5 (TGI's)
+    watermark_delta: float | None = None  # None: 2.0
     # Ours, not TGI's.
     kv_cache_bytes: int = 0        # KV cache budget passed to each shard; 0: sized at Warmup
     num_threads: int = 0           # torch threads per shard on CPU; 0: torch's default
@@ -185,6 +187,9 @@ _FLAGS = (
     _Flag("rope_scaling", _choice(ROPE_SCALINGS), "RoPE scaling replacing the checkpoint's: linear, dynamic "
           "or yarn (ours), with --rope-factor (default 1.0); the model's length grows by the factor"),
     _Flag("rope_factor", _float, "RoPE scaling factor; alone it means linear scaling"),
+    _Flag("watermark_gamma", _float, "share of the vocabulary in each green list of requests with "
+          "\"watermark\": true (default: 0.5)"),
+    _Flag("watermark_delta", _float, "bias added to the green logits of watermarked requests (default: 2.0)"),
     _Flag("cuda_memory_fraction", _float, "share of each GPU's memory a shard may hold: Warmup gives the KV "
           "cache what is free beyond (1 - fraction) of the total; no effect on CPU (default: 1.0)"),
     _Flag("cuda_graphs", _batch_sizes, "decode batch sizes captured as CUDA graphs at warmup, "
@@ -210,7 +215,7 @@ _IGNORED = {"validation_workers": True, "speculate": True,
             "usage_stats": True, "enable_prefill_logprobs": False, "ngrok_authtoken": True,
             "ngrok_edge": True, "env": False}
 # TGI flags whose effect we cannot give yet: refused.
-_UNSUPPORTED = ("kv_cache_dtype", "watermark_gamma", "watermark_delta", "lora_adapters", "ngrok")
+_UNSUPPORTED = ("kv_cache_dtype", "lora_adapters", "ngrok")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -339,6 +344,8 @@ def _validate(c: RouterConfig) -> None:
         raise ConfigError("`max_batch_size` must be > 0")
     if not 0 < c.cuda_memory_fraction <= 1:
         raise ConfigError(f"`cuda_memory_fraction` must be in (0, 1]. Given: {c.cuda_memory_fraction}")
+    if c.watermark_gamma is not None and not 0 < c.watermark_gamma < 1:
+        raise ConfigError(f"`watermark_gamma` must be in (0, 1). Given: {c.watermark_gamma}")
     if c.rope_factor is not None and c.rope_factor <= 0:
         raise ConfigError(f"`rope_factor` must be > 0. Given: {c.rope_factor}")
     if None not in (c.max_input_tokens, c.max_total_tokens) and c.max_input_tokens >= c.max_total_tokens:

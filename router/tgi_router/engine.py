@@ -228,5 +228,5 @@ def _sampling(request: ValidGenerateRequest, seed: int) -> pb.SamplingParameters
         typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
         frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty, seed=seed,
         top_n_tokens=request.top_n_tokens, prefill_logprobs=request.decoder_input_details,
-        grammar=p.grammar.text if p.grammar is not None else "",
+        grammar=p.grammar.text if p.grammar is not None else "", watermark=p.watermark,
         max_new_tokens=request.stopping.max_total_new_tokens)

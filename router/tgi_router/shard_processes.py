@@ -47,6 +47,9 @@ def shard_command(config: RouterConfig, rank: int) -> list[str]:
                         ("--cuda-graphs", ",".join(map(str, config.cuda_graphs)))):
         if value:
             command += [flag, str(value)]
+    for flag, value in (("--watermark-gamma", config.watermark_gamma), ("--watermark-delta", config.watermark_delta)):
+        if value is not None:
+            command += [flag, str(value)]
     if config.cuda_memory_fraction != 1.0:
         command += ["--cuda-memory-fraction", str(config.cuda_memory_fraction)]
     if rope := rope_override(config):

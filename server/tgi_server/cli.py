@@ -4,6 +4,7 @@ quantized checkpoint."""
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--rope-factor", type=float, default=None, help="RoPE scaling factor (> 0)")
     serve.add_argument("--cuda-memory-fraction", type=float, default=1.0,
                        help="share of the GPU's memory the shard may hold when Warmup sizes the KV cache")
+    serve.add_argument("--watermark-gamma", type=float, default=0.5,
+                       help="green share of the vocabulary for watermarked requests (0, 1)")
+    serve.add_argument("--watermark-delta", type=float, default=2.0, help="bias added to green logits")
     serve.add_argument("--json-output", action="store_true", help="log JSON lines")
     quantize = sub.add_parser("quantize", help="write a GPTQ or AWQ checkpoint of a float model")
     quantize.add_argument("model_id", help="local directory, .gguf file or hub id in the HF cache")
@@ -80,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
                                "or a text file")
     quantize.add_argument("--seed", type=int, default=0)
     quantize.add_argument("--num-threads", type=int, default=0, help="torch threads (0 = torch default)")
+    detect = sub.add_parser("watermark-detect", help="z-score of a text's watermark (one JSON line); exit 0 "
+                                                      "when it is watermarked (z > 4), 1 when not")
+    detect.add_argument("text", nargs="?", default=None, help="the text (default: read from stdin)")
+    detect.add_argument("--model-id", default=None, help="the model that wrote it (default: SmolLM2-135M-Instruct)")
+    detect.add_argument("--watermark-gamma", type=float, default=0.5, help="the server's --watermark-gamma")
     return parser
 
 
@@ -95,7 +104,14 @@ def config_from_args(args: argparse.Namespace) -> ShardConfig:
         attention_backend=args.attention_backend, num_threads=args.num_threads, quantize=args.quantize,
         rank=rank, world_size=world_size, master_addr=os.environ.get("MASTER_ADDR", "localhost"),
         master_port=int(os.environ.get("MASTER_PORT", "29500")), cuda_graphs=args.cuda_graphs,
-        rope=_rope(args.rope_scaling, args.rope_factor), cuda_memory_fraction=_fraction(args.cuda_memory_fraction))
+        rope=_rope(args.rope_scaling, args.rope_factor), cuda_memory_fraction=_fraction(args.cuda_memory_fraction),
+        watermark_gamma=_gamma(args.watermark_gamma), watermark_delta=args.watermark_delta)
+
+
+def _gamma(value: float) -> float:
+    if not 0 < value < 1:
+        raise SystemExit("error: --watermark-gamma must be in (0, 1)")
+    return value
 
 
 def _fraction(value: float) -> float:
@@ -117,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "quantize":
         _quantize(args)
         return
+    if args.command == "watermark-detect":
+        _watermark_detect(args)
     _setup_logging(args.json_output)
     config = config_from_args(args)
     from .distributed import TensorParallelError
@@ -159,6 +177,21 @@ def _quantize(args: argparse.Namespace) -> None:
     except (CheckpointError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
+
+
+def _watermark_detect(args: argparse.Namespace) -> NoReturn:
+    from .watermark_detect import detect
+    from .weights.errors import CheckpointError
+
+    gamma = _gamma(args.watermark_gamma)
+    text = args.text if args.text is not None else sys.stdin.read()
+    try:
+        result = detect(args.model_id, text, gamma)
+    except CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(result))
+    sys.exit(0 if result["watermarked"] else 1)
 
 
 def _setup_logging(json_output: bool) -> None:

@@ -24,6 +24,8 @@ class ShardConfig:
     cuda_graphs: tuple[int, ...] = ()  # decode batch sizes captured as CUDA graphs at Warmup (CUDA only)
     rope: tuple[str, float] | None = None  # (scaling, factor) replacing the checkpoint's RoPE scaling
     cuda_memory_fraction: float = 1.0  # of a GPU's memory the shard may hold when Warmup sizes the cache
+    watermark_gamma: float = 0.5  # green share of the vocabulary for requests with watermark: true
+    watermark_delta: float = 2.0  # bias added to the green logits
 
     @property
     def socket_path(self) -> str:

@@ -23,6 +23,7 @@ from .grammar import GrammarCompiler
 from .kv_cache import KVCache, KVCacheSpec
 from .layers.attention import ForwardContext
 from .memory import kv_cache_budget
+from .watermark import Watermark
 from .model_loader import LoadedModel
 from .sampler import Sampler, prompt_logprobs
 from .sequences import SequenceTable, ShardSequence
@@ -38,7 +39,8 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, block_size: int, attention_backend: str | None,
                  kv_cache_bytes: int, grammars: GrammarCompiler | None = None,
-                 cuda_graphs: tuple[int, ...] = (), memory_fraction: float = 1.0):
+                 cuda_graphs: tuple[int, ...] = (), memory_fraction: float = 1.0,
+                 watermark: Watermark | None = None):
         self.model = loaded.model
         self.config = loaded.config
         self.device = loaded.device
@@ -51,7 +53,7 @@ class ModelRunner:
                              f"(this {self.config.model_type} model does); use one of {', '.join(SOFTCAP_BACKENDS)}")
         self.kv_cache_bytes = kv_cache_bytes  # the shard's flag, per rank; 0 = automatic
         self.memory_fraction = memory_fraction  # of a GPU's memory the shard may hold (automatic budget)
-        self.sampler = Sampler()
+        self.sampler = Sampler(watermark)
         self.grammars = grammars
         self.kv_spec = KVCacheSpec(self.config.num_layers, self.model.heads.num_kv_heads,
                                    self.config.head_dim, block_size, loaded.dtype)

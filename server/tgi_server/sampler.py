@@ -22,6 +22,7 @@ from tgi_server.penalties import apply_penalties
 from tgi_server.sampling_params import SamplingParams
 from tgi_server.vocab_blocks import (BLOCK, CPU_CHUNK_ROWS, NEG_INF, BlockedRows, argsort_rows,
                                      exp_rows, padded_width)
+from tgi_server.watermark import Watermark
 
 __all__ = ["LogitsProcessor", "Sampler", "SamplerOutput", "SamplingParams", "draw_uniform",
            "prompt_logprobs"]
@@ -62,8 +63,9 @@ class Sampler:
     full-vocabulary tensors cost page faults on every step), so one Sampler
     must not be called from two threads at once."""
 
-    def __init__(self):
+    def __init__(self, watermark: Watermark | None = None):
         self._buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self.watermark = watermark or Watermark()  # for rows whose params ask for it
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -76,7 +78,10 @@ class Sampler:
         if batch == 0:
             return SamplerOutput([], [], [])
         pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]
-        x = self._working_copy(logits, bool(pen_rows or processors))  # [B, W]
+        marked = [i for i, p in enumerate(params) if p.watermark]
+        x = self._working_copy(logits, bool(pen_rows or processors or marked))  # [B, W]
+        # TGI's order: the watermark's bias, then the penalties, then processors.
+        self.watermark.apply(x, marked, [token_ids[i][-1] for i in marked], vocab)
         apply_penalties(x, pen_rows, params, token_ids, prompt_lens)
         for processor in processors:
             processor(x[:, :vocab])

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 class SamplingParams:
     """How one request chooses its next token (TGI's NextTokenChooser parameters).
 
-    Penalties apply first, then logits processors (grammar), then, for sampling
-    requests only, the warpers in the order temperature, top_k, top_p,
-    typical_p, min_p, each with Hugging Face semantics."""
+    The watermark's bias applies first, then penalties, then logits
+    processors (grammar), then, for sampling requests only, the warpers in
+    the order temperature, top_k, top_p, typical_p, min_p, each with Hugging
+    Face semantics."""
 
     do_sample: bool = False  # False: argmax of the penalized, processed logits
     temperature: float = 1.0
@@ -28,6 +29,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     seed: int = 0  # with the token's position, fixes a sampling draw
     top_n_tokens: int = 0  # how many most likely alternatives to report
+    watermark: bool = False  # bias the green list of the previous token (watermark.py), before the penalties
 
     @property
     def needs_penalties(self) -> bool:

@@ -44,7 +44,7 @@ def params_from_proto(p: pb.SamplingParameters) -> SamplingParams:
         do_sample=p.do_sample, temperature=p.temperature or 1.0, top_k=p.top_k, top_p=p.top_p or 1.0,
         typical_p=p.typical_p or 1.0, min_p=p.min_p, repetition_penalty=p.repetition_penalty or 1.0,
         frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
-        seed=p.seed, top_n_tokens=p.top_n_tokens)
+        seed=p.seed, top_n_tokens=p.top_n_tokens, watermark=p.watermark)
 
 
 def _alone(ok: bool) -> bool:

@@ -19,6 +19,7 @@ from .model_runner import ModelRunner
 from .quant import kernel_counts
 from .service import serve
 from .thread_governor import ThreadGovernor
+from .watermark import Watermark
 from .weights.resolve import resolve_model
 from .weights.tokenizer_export import export_tokenizer
 
@@ -65,7 +66,8 @@ def load_shard(config: ShardConfig) -> tuple[ModelRunner, pb.InfoResponse]:
     grammars = (GrammarCompiler(tokenizer_json, c.vocab_size, c.eos_token_ids)
                 if tokenizer_json and tp.rank == 0 else None)
     runner = ModelRunner(loaded, config.block_size, config.attention_backend, config.kv_cache_bytes, grammars,
-                         config.cuda_graphs, config.cuda_memory_fraction)
+                         config.cuda_graphs, config.cuda_memory_fraction,
+                         Watermark(config.watermark_gamma, config.watermark_delta))
     heads = loaded.model.heads
     log.info("loaded %s: %d layers in %.1f s; attention backend %s; shard %d of %d holds %d of %d query "
              "heads, %d of %d kv heads, %.1f MiB of weights (%d bytes)",

@@ -151,6 +151,7 @@ INVALID = [
     (["--kv-cache-bytes", "lots"], {}, "expected a size such as 4096, 512MiB or 2GiB"),
     (["--rope-scaling", "ntk"], {}, "possible values: linear, dynamic, yarn"),
     (["--rope-factor", "0"], {}, "`rope_factor` must be > 0. Given: 0.0"),
+    (["--watermark-gamma", "1"], {}, "`watermark_gamma` must be in (0, 1). Given: 1.0"),
     (["--cuda-memory-fraction", "1.5"], {}, "`cuda_memory_fraction` must be in (0, 1]. Given: 1.5"),
     (["--lora-adapters", "a/b"], {}, "--lora-adapters is not supported yet"),
     (["--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),

@@ -260,6 +260,13 @@ def test_rope_flags_reach_the_shard_paired_as_tgi_pairs_them(argv, env, passed):
         assert command[at:at + 4] == ["--rope-scaling", passed[0], "--rope-factor", passed[1]]
 
 
+def test_watermark_flags_reach_the_shard_when_given():
+    assert "--watermark-gamma" not in shard_command(parse_args([], {}), 0)
+    command = shard_command(parse_args(["--watermark-gamma", "0.25"], {"WATERMARK_DELTA": "4"}), 0)
+    assert command[command.index("--watermark-gamma") + 1] == "0.25"
+    assert command[command.index("--watermark-delta") + 1] == "4.0"
+
+
 def test_cuda_memory_fraction_reaches_the_shard_when_below_one():
     assert "--cuda-memory-fraction" not in shard_command(parse_args([], {}), 0)
     command = shard_command(parse_args([], {"CUDA_MEMORY_FRACTION": "0.5"}), 0)

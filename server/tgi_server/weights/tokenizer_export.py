@@ -13,7 +13,7 @@ def export_tokenizer(source: ModelSource) -> tuple[str, str]:
     token ids only; the router refuses to start without a tokenizer)."""
     if not has_tokenizer_files(source):
         return "", ""
-    tokenizer = _load(source)
+    tokenizer = load_tokenizer(source)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise CheckpointError(f"{source.path}: the tokenizer has no fast (tokenizers) implementation")
@@ -27,7 +27,8 @@ def export_tokenizer(source: ModelSource) -> tuple[str, str]:
     return backend.to_str(), json.dumps(config)
 
 
-def _load(source: ModelSource):
+def load_tokenizer(source: ModelSource):
+    """The checkpoint's transformers tokenizer; CheckpointError if it cannot be loaded."""
     if source.format == "gguf":
         from .gguf import load_gguf_tokenizer
 
