@@ -5,6 +5,7 @@ metrics, and cancelling what a departed client leaves behind. (The API key
 is checked before any route, by api_key.ApiKeyMiddleware.)"""
 
 import asyncio
+import contextvars
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -19,7 +20,11 @@ from .reasoning import ReasoningParser
 from .request_stream import ErrorEvent, RequestStream, StreamEvent, Timings
 from .validation import ValidationLimits, ValidGenerateRequest
 
-__all__ = ["ApiSettings", "ServerState", "Gate", "Admitted"]
+__all__ = ["ApiSettings", "ServerState", "Gate", "Admitted", "request_span"]
+
+# The traced request's root span (tracing.RequestSpan) in the task serving
+# it, set by tracing.TracingMiddleware; None when tracing is off.
+request_span: contextvars.ContextVar = contextvars.ContextVar("tgi_request_span", default=None)
 
 
 @dataclass(frozen=True)
@@ -89,10 +94,14 @@ class Gate:
                 self.metrics.request_failed("validation")
             raise
         validated = time.perf_counter()
+        trace = request_span.get()
+        if trace is not None:
+            trace.child("validate", arrival, validated, requests=len(valid),
+                        input_tokens=sum(v.input_length for v in valid))
         streams = []
         for v in valid:
             self.metrics.request_validated(v.input_length, v.stopping.max_total_new_tokens)
-            streams.append(self.engine.submit(v, Timings(arrival=arrival, validated=validated)))
+            streams.append(self.engine.submit(v, Timings(arrival=arrival, validated=validated), trace))
         return Admitted(streams, self)
 
     async def wait(self, request: Request, admitted: Admitted) -> None:
@@ -133,6 +142,11 @@ class Gate:
 
     def _finished(self, stream: RequestStream) -> None:
         t = stream.timings
+        if stream.trace is not None:
+            scheduled = t.first_scheduled or t.queued
+            stream.trace.child("queue", t.queued, scheduled)
+            stream.trace.child("inference", scheduled, t.finished, generated_tokens=stream.generated_tokens,
+                               first_token_s=t.first_token - t.arrival)
         self.metrics.request_finished(
             total_s=t.finished - t.arrival, validation_s=t.validated - t.arrival,
             queue_s=(t.first_scheduled or t.queued) - t.queued,

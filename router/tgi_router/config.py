@@ -73,6 +73,8 @@ class RouterConfig:
     rope_scaling: str | None = None  # overrides the checkpoint's RoPE scaling (with rope_factor)
     rope_factor: float | None = None
     cuda_memory_fraction: float = 1.0  # of each GPU's memory a shard may hold (KV cache sized at Warmup)
+    otlp_endpoint: str | None = None  # OTLP/gRPC collector for the router's trace spans; None: no tracing
+    otlp_service_name: str = "text-generation-inference.router"
     watermark_gamma: float | None = None  # None: the shard's default, 0.5 (TGI's)
     watermark_delta: float | None = None  # None: 2.0
     # Ours, not TGI's.
@@ -187,6 +189,10 @@ _FLAGS = (
     _Flag("rope_scaling", _choice(ROPE_SCALINGS), "RoPE scaling replacing the checkpoint's: linear, dynamic "
           "or yarn (ours), with --rope-factor (default 1.0); the model's length grows by the factor"),
     _Flag("rope_factor", _float, "RoPE scaling factor; alone it means linear scaling"),
+    _Flag("otlp_endpoint", str, "OTLP/gRPC collector (e.g. http://collector:4317) that receives a trace of "
+          "each generation request: validation, queue, each step, the response (default: none)"),
+    _Flag("otlp_service_name", str, "service.name of the exported spans (default: "
+          "text-generation-inference.router)"),
     _Flag("watermark_gamma", _float, "share of the vocabulary in each green list of requests with "
           "\"watermark\": true (default: 0.5)"),
     _Flag("watermark_delta", _float, "bias added to the green logits of watermarked requests (default: 2.0)"),
@@ -211,7 +217,6 @@ _FLAGS = (
 # command line still starts. name -> takes a value.
 _IGNORED = {"validation_workers": True, "speculate": True,
             "weights_cache_override": True, "disable_custom_kernels": False,
-            "otlp_endpoint": True, "otlp_service_name": True,
             "usage_stats": True, "enable_prefill_logprobs": False, "ngrok_authtoken": True,
             "ngrok_edge": True, "env": False}
 # TGI flags whose effect we cannot give yet: refused.

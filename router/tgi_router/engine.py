@@ -41,6 +41,7 @@ class Engine:
         self.metrics = metrics
         self.step_id = 0
         self.healthy = True
+        self.tracing = False  # whether requests may carry a trace (--otlp-endpoint)
         self._streams: dict[int, RequestStream] = {}  # by sequence id
         self._next_id = 0
         self._wakeup = asyncio.Event()
@@ -55,8 +56,9 @@ class Engine:
         self._shard_bound = True
 
     # -- requests ------------------------------------------------------------
-    def submit(self, request: ValidGenerateRequest, timings: Timings) -> RequestStream:
-        stream = RequestStream(request, self.tokenizer, timings)
+    def submit(self, request: ValidGenerateRequest, timings: Timings, trace=None) -> RequestStream:
+        """trace: the request's tracing.RequestSpan, which gets a span per step it takes part in."""
+        stream = RequestStream(request, self.tokenizer, timings, trace)
         rng = random.Random(request.parameters.seed)
         for i in range(request.best_of):
             # best_of copies draw fresh seeds, as TGI does; the first keeps the request's
@@ -136,6 +138,8 @@ class Engine:
         now = time.perf_counter()
         if self.metrics is not None:
             self._observe(step, response, now - max(sent.at, self._answered))
+        if self.tracing:
+            self._trace(step, sent, now)
         self._shard_bound = response.timings.total_ns / 1e9 >= 0.5 * (now - self._answered)
         self._answered = now
         return finished
@@ -193,6 +197,14 @@ class Engine:
         self.metrics.prefix_cache(stats.queried_tokens, stats.hit_tokens)
         for chunks in stats.prefill_chunks:
             self.metrics.prefill_chunks(chunks)
+
+    def _trace(self, step: ScheduledStep, sent: _Sent, answered: float) -> None:
+        """A span per traced request of the step, from its sending to its answer applied."""
+        for seq, tokens in step.seqs:
+            stream = self._streams.get(seq.id)
+            if stream is not None and stream.trace is not None:
+                stream.trace.child("step", sent.at, answered, step_id=sent.request.step_id,
+                                   batch_size=len(step.seqs), tokens=tokens)
 
     def _observe_state(self) -> None:
         bm = self.scheduler.blocks

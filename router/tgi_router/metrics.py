@@ -28,7 +28,9 @@ Beyond TGI:
   a reusable prefix;
 * `tgi_prefix_cache_{queried,hit}_tokens` counters: prompt tokens looked up in
   the prefix cache at admission, and those found there (not computed);
-* `tgi_request_prefill_chunks`: steps each prefill took (1 when unchunked).
+* `tgi_request_prefill_chunks`: steps each prefill took (1 when unchunked);
+* `tgi_otlp_spans_{exported,dropped}` counters: trace spans the OTLP
+  exporter sent, and those it dropped (--otlp-endpoint; 0 without).
 
 Label sets that TGI closes (`method`, `err`, `reason`) are checked and their
 series created at zero up front, so `increase()` sees the first event.
@@ -190,6 +192,9 @@ class Metrics:
             "tgi_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache")
         self._prefill_chunks = self._histogram(
             "tgi_request_prefill_chunks", "Steps (chunks) each prefill took", PREFILL_CHUNK_BUCKETS)
+        self._otlp_exported = self._counter("tgi_otlp_spans_exported", "Trace spans sent to the OTLP collector")
+        self._otlp_dropped = self._counter(
+            "tgi_otlp_spans_dropped", "Trace spans dropped: export queue full or the collector unreachable")
 
     # Requests: TGI's router/src/server.rs, infer/mod.rs and validation.rs.
 
@@ -292,6 +297,11 @@ class Metrics:
     def prefill_chunks(self, chunks: int) -> None:
         """A prefill completed after `chunks` steps."""
         self._prefill_chunks.observe(chunks)
+
+    def otlp_spans(self, exported: int = 0, dropped: int = 0) -> None:
+        """Spans the OTLP exporter sent or dropped (called from its thread)."""
+        self._otlp_exported.inc(exported)
+        self._otlp_dropped.inc(dropped)
 
     def render(self) -> bytes:
         """The Prometheus text exposition (format 0.0.4), with TGI's names."""

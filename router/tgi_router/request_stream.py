@@ -82,6 +82,7 @@ class RequestStream:
     request: ValidGenerateRequest
     tokenizer: RouterTokenizer
     timings: Timings
+    trace: object | None = None  # the request's tracing.RequestSpan; None when not traced
     sequences: list[Sequence] = field(default_factory=list)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     results: dict[int, SequenceResult] = field(default_factory=dict)

@@ -120,7 +120,15 @@ async def _build(config: RouterConfig, client: ShardClient):
         protect_metrics=config.protect_metrics,
         reasoning=ReasoningParser(config.reasoning_parser) if config.reasoning_parser else None)
     state = ServerState()
-    return engine, create_app(engine, settings, metrics, state), state
+    app = create_app(engine, settings, metrics, state)
+    if config.otlp_endpoint:
+        from .tracing import Tracing, TracingMiddleware
+
+        engine.tracing = True
+        app.add_middleware(TracingMiddleware, tracing=Tracing(config.otlp_endpoint, config.otlp_service_name,
+                                                              metrics))
+        log.info("exporting traces to %s as %s", config.otlp_endpoint, config.otlp_service_name)
+    return engine, app, state
 
 
 def _max_input_chars(tokenizer_json: str, max_input_tokens: int) -> int | None:
