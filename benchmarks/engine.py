@@ -85,12 +85,14 @@ class BatchTimes:
 
 
 async def run_batch(client: ShardClient, warm: pb.WarmupResponse, prompts: list[list[int]], new_tokens: int,
-                    max_batch_tokens: int) -> BatchTimes:
-    """All prompts at once, `new_tokens` greedy tokens each, through Engine.step as the router runs it."""
+                    max_batch_tokens: int, adapters: list[int] | None = None) -> BatchTimes:
+    """All prompts at once, `new_tokens` greedy tokens each, through Engine.step as the router runs it
+    (adapters[i]: prompt i's LoRA adapter; 0 or None: the base model)."""
     scheduler = Scheduler(BlockManager(warm.num_blocks, warm.block_size), max_batch_tokens=max_batch_tokens)
     engine = Engine(client, scheduler)
     seqs = [Sequence(id=i + 1, token_ids=list(p), params=pb.SamplingParameters(),
-                     stopping=StoppingCriteria(new_tokens)) for i, p in enumerate(prompts)]
+                     stopping=StoppingCriteria(new_tokens), adapter=adapters[i] if adapters else 0)
+            for i, p in enumerate(prompts)]
     for s in seqs:
         scheduler.add(s)
     first: dict[int, float] = {}

@@ -6,7 +6,7 @@ import json
 
 from .machine import machine_facts
 
-BENCHES = ("engine", "http", "grammar", "structured", "prefix", "quant", "placement", "moe", "watermark")
+BENCHES = ("engine", "http", "grammar", "structured", "prefix", "quant", "placement", "moe", "watermark", "lora")
 # Run only when named (not by "all"): `peers` installs and starts other servers.
 OPT_IN = ("peers",)
 

@@ -114,11 +114,12 @@ class InProcessShard:
     """Serves a shard on a background event loop; `socket` is its UDS path."""
 
     def __init__(self, tmp_path: Path, model_id: str | None, dtype: str = "float32",
-                 kv_cache_bytes: int = 64 << 20, block_size: int = 16, backend: str | None = None):
+                 kv_cache_bytes: int = 64 << 20, block_size: int = 16, backend: str | None = None,
+                 lora_adapters: str | None = None, quantize: str | None = None):
         self.config = ShardConfig(
             model_id=model_id, revision=None, uds_path=str(tmp_path / "shard"), dtype=dtype,
             device="cpu", block_size=block_size, kv_cache_bytes=kv_cache_bytes,
-            attention_backend=backend, num_threads=0)
+            attention_backend=backend, num_threads=0, lora_adapters=lora_adapters, quantize=quantize)
         self.runner, self.info = load_shard(self.config)
         self.socket = self.config.socket_path
         self._loop = asyncio.new_event_loop()
@@ -219,19 +220,21 @@ async def run_prompts(socket: str | list[str], prompts: list[list[int]], max_new
                       params: list[pb.SamplingParameters] | None = None, stop_ids=(),
                       max_batch_tokens: int = 4096, arrivals: list[int] | None = None,
                       warmup_tokens: int = 256, stats: dict | None = None,
-                      prefix_caching: bool = True) -> list[Sequence]:
+                      prefix_caching: bool = True, adapters: list[int] | None = None) -> list[Sequence]:
     """Generates for every prompt in one continuous batch over gRPC, on one
     shard or on every rank of a group (`socket` a list, in rank order).
 
     arrivals[i] is the step at which prompt i joins (staggered arrivals).
-    stats, when given, receives the preemptions and prefix-cache hit tokens."""
+    stats, when given, receives the preemptions and prefix-cache hit tokens.
+    adapters[i]: the LoRA adapter of prompt i (0: the base model)."""
     client = ShardClient([socket] if isinstance(socket, str) else socket, timeout=120)
     try:
         warm = await client.warmup(warmup_tokens, 64)
         scheduler = Scheduler(BlockManager(warm.num_blocks, warm.block_size, prefix_caching), max_batch_tokens)
         engine = Engine(client, scheduler)
         seqs = [Sequence(id=i + 1, token_ids=list(p), params=(params or [greedy()] * len(prompts))[i],
-                         stopping=StoppingCriteria(max_new_tokens, frozenset(stop_ids)))
+                         stopping=StoppingCriteria(max_new_tokens, frozenset(stop_ids)),
+                         adapter=adapters[i] if adapters else 0)
                 for i, p in enumerate(prompts)]
         pending = sorted(zip(arrivals or [0] * len(seqs), range(len(seqs))))
         step = 0

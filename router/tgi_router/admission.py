@@ -101,6 +101,8 @@ class Gate:
         streams = []
         for v in valid:
             self.metrics.request_validated(v.input_length, v.stopping.max_total_new_tokens)
+            if v.adapter_id is not None:
+                self.metrics.lora_request(v.adapter_id)
             streams.append(self.engine.submit(v, Timings(arrival=arrival, validated=validated), trace))
         return Admitted(streams, self)
 

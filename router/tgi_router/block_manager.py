@@ -28,11 +28,14 @@ def hash_block(parent: int, tokens: list[int]) -> int:
     return hash((parent, *tokens))
 
 
-def chain_hashes(token_ids: list[int], block_size: int, known: list[int], count: int) -> None:
+def chain_hashes(token_ids: list[int], block_size: int, known: list[int], count: int,
+                 root: int = ROOT_HASH) -> None:
     """Extends `known` (prefix hashes of token_ids' first full blocks) in
-    place to the first `count` full blocks; count <= len(token_ids) // block_size."""
+    place to the first `count` full blocks; count <= len(token_ids) // block_size.
+    root: the first block's parent (a LoRA adapter's own, so that the blocks
+    of two adapters, whose keys and values differ, never match)."""
     for i in range(len(known), count):
-        parent = known[-1] if known else ROOT_HASH
+        parent = known[-1] if known else root
         known.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size]))
 
 

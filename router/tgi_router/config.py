@@ -73,6 +73,7 @@ class RouterConfig:
     rope_scaling: str | None = None  # overrides the checkpoint's RoPE scaling (with rope_factor)
     rope_factor: float | None = None
     cuda_memory_fraction: float = 1.0  # of each GPU's memory a shard may hold (KV cache sized at Warmup)
+    lora_adapters: str | None = None  # "id,name=path,...": LoRA adapters the shards load
     otlp_endpoint: str | None = None  # OTLP/gRPC collector for the router's trace spans; None: no tracing
     otlp_service_name: str = "text-generation-inference.router"
     watermark_gamma: float | None = None  # None: the shard's default, 0.5 (TGI's)
@@ -189,6 +190,9 @@ _FLAGS = (
     _Flag("rope_scaling", _choice(ROPE_SCALINGS), "RoPE scaling replacing the checkpoint's: linear, dynamic "
           "or yarn (ours), with --rope-factor (default 1.0); the model's length grows by the factor"),
     _Flag("rope_factor", _float, "RoPE scaling factor; alone it means linear scaling"),
+    _Flag("lora_adapters", str, "LoRA adapters to serve beside the base model: comma-separated hub ids or "
+          "local PEFT directories, or name=path; a request picks one with parameters.adapter_id, or with "
+          "`model` on the OpenAI routes"),
     _Flag("otlp_endpoint", str, "OTLP/gRPC collector (e.g. http://collector:4317) that receives a trace of "
           "each generation request: validation, queue, each step, the response (default: none)"),
     _Flag("otlp_service_name", str, "service.name of the exported spans (default: "
@@ -220,7 +224,7 @@ _IGNORED = {"validation_workers": True, "speculate": True,
             "usage_stats": True, "enable_prefill_logprobs": False, "ngrok_authtoken": True,
             "ngrok_edge": True, "env": False}
 # TGI flags whose effect we cannot give yet: refused.
-_UNSUPPORTED = ("kv_cache_dtype", "lora_adapters", "ngrok")
+_UNSUPPORTED = ("kv_cache_dtype", "ngrok")
 
 
 class _Parser(argparse.ArgumentParser):

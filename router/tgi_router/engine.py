@@ -67,7 +67,7 @@ class Engine:
             seq = Sequence(id=self._next_id, token_ids=list(request.input_ids),
                            params=_sampling(request, seed), stopping=StoppingCriteria(
                                request.stopping.max_total_new_tokens, self.eos_token_ids,
-                               request.stopping.ignore_eos_token))
+                               request.stopping.ignore_eos_token), adapter=request.adapter)
             stream.sequences.append(seq)
             self._streams[seq.id] = stream
             self.scheduler.add(seq)

@@ -29,6 +29,8 @@ Beyond TGI:
 * `tgi_prefix_cache_{queried,hit}_tokens` counters: prompt tokens looked up in
   the prefix cache at admission, and those found there (not computed);
 * `tgi_request_prefill_chunks`: steps each prefill took (1 when unchunked);
+* `tgi_lora_requests{adapter}`: requests per LoRA adapter (--lora-adapters;
+  the base model's requests are not counted here);
 * `tgi_otlp_spans_{exported,dropped}` counters: trace spans the OTLP
   exporter sent, and those it dropped (--otlp-endpoint; 0 without).
 
@@ -87,13 +89,16 @@ class Metrics:
     TGI does; both must be positive.
     """
 
-    def __init__(self, max_input_tokens: int, max_total_tokens: int):
+    def __init__(self, max_input_tokens: int, max_total_tokens: int, adapters: tuple[str, ...] = ()):
         if max_input_tokens < 1 or max_total_tokens < 1:
             raise ValueError("max_input_tokens and max_total_tokens must be positive")
         self.registry = CollectorRegistry(auto_describe=True)
         self.content_type = CONTENT_TYPE
         self._build_request_metrics(max_input_tokens, max_total_tokens)
         self._build_batch_metrics()
+        self._lora_requests = self._counter("tgi_lora_requests", "Requests per LoRA adapter", ("adapter",))
+        for adapter in adapters:
+            self._lora_requests.labels(adapter)
 
     def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
         return Counter(name, doc, labels, registry=self.registry)
@@ -297,6 +302,10 @@ class Metrics:
     def prefill_chunks(self, chunks: int) -> None:
         """A prefill completed after `chunks` steps."""
         self._prefill_chunks.observe(chunks)
+
+    def lora_request(self, adapter: str) -> None:
+        """A validated request runs LoRA adapter `adapter` (one of those loaded)."""
+        self._lora_requests.labels(adapter).inc()
 
     def otlp_spans(self, exported: int = 0, dropped: int = 0) -> None:
         """Spans the OTLP exporter sent or dropped (called from its thread)."""

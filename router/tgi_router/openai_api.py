@@ -106,8 +106,9 @@ def add_openai_routes(app: FastAPI, gate: Gate) -> None:
 
     @app.get("/v1/models", response_model=o.ModelList, tags=["OpenAI"])
     async def models():
-        """The one model this server serves."""
-        listing = o.ModelList(data=[o.Model(id=model_id, created=started, owned_by=model_id)])
+        """The model this server serves, then its LoRA adapters (each a `model` a request may name)."""
+        ids = [model_id, *settings.limits.adapters]
+        listing = o.ModelList(data=[o.Model(id=name, created=started, owned_by=model_id) for name in ids])
         return JSONResponse(listing.model_dump(mode="json"))
 
     @app.post("/chat_tokenize", response_model=p.ChatTokenizeResponse, tags=["Text Generation Inference"])

@@ -57,7 +57,7 @@ def prepare_chat(body: ChatCompletionRequest, template: ChatTemplate, tokenizer:
         raise ValidationError("`top_logprobs` requires `logprobs` to be true")
     text = render_chat(body, template, tools)
     params = _parameters(body, max_new_tokens=_max_tokens(body.max_completion_tokens, body.max_tokens),
-                         top_n=body.top_logprobs if body.logprobs else None)
+                         top_n=body.top_logprobs if body.logprobs else None, limits=limits)
     # The template already wrote BOS and every special token the model expects.
     encode = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
     valid = validate(GenerateRequest(inputs=text, parameters=params), encode, limits)
@@ -77,7 +77,7 @@ def prepare_completion(body: CompletionRequest, tokenizer: RouterTokenizer,
         raise ValidationError("`suffix` is not supported")
     if body.best_of is not None and body.best_of != body.n:
         raise ValidationError("`best_of` is not supported; use `n`")
-    params = _parameters(body, max_new_tokens=body.max_tokens, top_n=body.logprobs)
+    params = _parameters(body, max_new_tokens=body.max_tokens, top_n=body.logprobs, limits=limits)
     out = []
     for prompt in prompts:
         valid = validate(GenerateRequest(inputs=prompt, parameters=params), tokenizer.encode, limits)
@@ -106,9 +106,11 @@ def _max_tokens(*values: int | None) -> int | None:
 
 
 def _parameters(body: ChatCompletionRequest | CompletionRequest, *, max_new_tokens: int | None,
-                top_n: int | None) -> GenerateParameters:
+                top_n: int | None, limits: ValidationLimits) -> GenerateParameters:
     """OpenAI's sampling fields as TGI's: temperature 0 is greedy, no
-    temperature samples at 1.0 (both as TGI's chat route), top_p 1.0 is off."""
+    temperature samples at 1.0 (both as TGI's chat route), top_p 1.0 is off.
+    `model` names a LoRA adapter when the server loaded any ("tgi" and the
+    base model's id name none); without adapters any `model` is the base."""
     temperature = body.temperature
     greedy = temperature is not None and temperature == 0.0
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -117,7 +119,8 @@ def _parameters(body: ChatCompletionRequest | CompletionRequest, *, max_new_toke
             do_sample=not greedy, temperature=None if greedy else temperature,
             top_p=body.top_p if body.top_p is not None and body.top_p < 1.0 else None,
             frequency_penalty=body.frequency_penalty, max_new_tokens=max_new_tokens, stop=stop,
-            seed=body.seed, top_n_tokens=top_n, details=True)
+            seed=body.seed, top_n_tokens=top_n, details=True,
+            adapter_id=body.model if limits.adapters and body.model != "tgi" else None)
     except pydantic.ValidationError as err:  # a value outside TGI's types (a negative seed, ...)
         first = err.errors()[0]
         raise ValidationError(f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None

@@ -194,7 +194,7 @@ class Scheduler:
         if not self.blocks.prefix_caching or seq.params.prefill_logprobs:
             return []
         reusable = (len(seq.token_ids) - 1) // self.blocks.block_size
-        chain_hashes(seq.token_ids, self.blocks.block_size, seq.block_hashes, reusable)
+        chain_hashes(seq.token_ids, self.blocks.block_size, seq.block_hashes, reusable, seq.hash_root)
         return self.blocks.lookup(seq.block_hashes[:reusable])
 
     def _next_block_pending(self, seq: Sequence, hit: list[int], pending: set[int]) -> bool:
@@ -230,7 +230,7 @@ class Scheduler:
             return []
         bs = self.blocks.block_size
         first, full = start // bs, min(start + n, len(seq.token_ids)) // bs
-        chain_hashes(seq.token_ids, bs, seq.block_hashes, full)
+        chain_hashes(seq.token_ids, bs, seq.block_hashes, full, seq.hash_root)
         return seq.block_hashes[first:full]
 
     def _preempt(self, seq: Sequence) -> None:
@@ -269,7 +269,7 @@ class Scheduler:
                 request.new_sequences.append(pb.NewSequence(
                     id=seq.id, token_ids=seq.token_ids, prompt_length=seq.prompt_length,
                     num_computed_tokens=seq.num_computed, num_scheduled_tokens=n,
-                    block_table=seq.block_table, parameters=seq.params))
+                    block_table=seq.block_table, parameters=seq.params, adapter=seq.adapter))
             else:
                 request.running.append(pb.RunningSequence(
                     id=seq.id, new_block_ids=seq.block_table[seq.shard_blocks:], num_scheduled_tokens=n))

@@ -7,6 +7,8 @@ from enum import Enum
 
 from tgi_proto import pb
 
+from .block_manager import ROOT_HASH
+
 
 class Status(Enum):
     WAITING = "waiting"
@@ -44,11 +46,18 @@ class Sequence:
     on_shard: bool = False
     shard_blocks: int = 0
     # Prefix hashes of the first full blocks of token_ids (filled lazily by
-    # the scheduler); they depend on the tokens only, so they outlive preemption.
+    # the scheduler); they depend on the tokens and the adapter only, so
+    # they outlive preemption.
     block_hashes: list[int] = field(default_factory=list)
+    adapter: int = 0  # 0: the base model; i > 0: the shards' i-th LoRA adapter (Info.adapter_ids)
 
     def __post_init__(self):
         self.prompt_length = self.prompt_length or len(self.token_ids)
+
+    @property
+    def hash_root(self) -> int:
+        """The parent hash of the first block: the adapter's own."""
+        return hash(("lora", self.adapter)) if self.adapter else ROOT_HASH
 
     @property
     def num_generated(self) -> int:

@@ -92,11 +92,13 @@ async def _build(config: RouterConfig, client: ShardClient):
     warm = await client.warmup(prefill_tokens(config, info.max_position_embeddings),
                                config.max_batch_size or 0, config.kv_cache_bytes)
     limits = resolve_limits(config, info.max_position_embeddings, warm.max_supported_total_tokens)
+    if info.adapter_ids:
+        log.info("LoRA adapters: %s", ", ".join(info.adapter_ids))
     log.info("warmed up: %d KV blocks of %d tokens; max_input_tokens=%d max_total_tokens=%d "
              "max_batch_prefill_tokens=%d max_batch_total_tokens=%d", warm.num_blocks, warm.block_size,
              limits.max_input_tokens, limits.max_total_tokens, limits.max_batch_prefill_tokens,
              limits.max_batch_total_tokens)
-    metrics = Metrics(limits.max_input_tokens, limits.max_total_tokens)
+    metrics = Metrics(limits.max_input_tokens, limits.max_total_tokens, tuple(info.adapter_ids))
     metrics.max_total_tokens(limits.max_batch_total_tokens)
     metrics.kv_blocks(warm.num_blocks, 0, warm.num_blocks)
     blocks = BlockManager(warm.num_blocks, warm.block_size, config.prefix_caching)
@@ -113,7 +115,8 @@ async def _build(config: RouterConfig, client: ShardClient):
                                 max_best_of=config.max_best_of, max_stop_sequences=config.max_stop_sequences,
                                 max_top_n_tokens=config.max_top_n_tokens,
                                 disable_grammar_support=config.disable_grammar_support,
-                                max_input_chars=_max_input_chars(info.tokenizer_json, limits.max_input_tokens)),
+                                max_input_chars=_max_input_chars(info.tokenizer_json, limits.max_input_tokens),
+                                adapters=tuple(info.adapter_ids), model_id=info.model_id),
         max_concurrent_requests=config.max_concurrent_requests, api_key=config.api_key,
         cors_allow_origin=tuple(config.cors_allow_origin), payload_limit=config.payload_limit,
         compute_type="gpu+optimized" if info.device.startswith("cuda") else "cpu",

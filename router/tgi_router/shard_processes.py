@@ -50,6 +50,8 @@ def shard_command(config: RouterConfig, rank: int) -> list[str]:
     for flag, value in (("--watermark-gamma", config.watermark_gamma), ("--watermark-delta", config.watermark_delta)):
         if value is not None:
             command += [flag, str(value)]
+    if config.lora_adapters:
+        command += ["--lora-adapters", config.lora_adapters]
     if config.cuda_memory_fraction != 1.0:
         command += ["--cuda-memory-fraction", str(config.cuda_memory_fraction)]
     if rope := rope_override(config):

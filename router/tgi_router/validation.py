@@ -46,6 +46,8 @@ class ValidationLimits:
     max_top_n_tokens: int = 5
     disable_grammar_support: bool = False
     max_input_chars: int | None = None  # longer inputs cannot fit max_input_tokens; None: no guard
+    adapters: tuple[str, ...] = ()  # LoRA adapters the shards loaded (--lora-adapters), in their order
+    model_id: str = ""              # the base model's id: as an adapter id, it names no adapter
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,8 @@ class ValidGenerateRequest:
     details: bool
     decoder_input_details: bool
     return_full_text: bool | None  # None: the route's default
-    adapter_id: str | None
+    adapter_id: str | None       # the LoRA adapter's name; None: the base model
+    adapter: int = 0             # its index in ValidationLimits.adapters, plus 1; 0: the base model
 
 
 def validate(request: GenerateRequest, tokenize: Callable[[str], list[int]],
@@ -115,6 +118,7 @@ def validate(request: GenerateRequest, tokenize: Callable[[str], list[int]],
     top_n_tokens = _check_top_n_tokens(p, limits)
     if request.inputs == "":
         raise ValidationError("`inputs` cannot be empty")
+    adapter = _check_adapter(p.adapter_id, limits)
     truncate = _check_truncate(p, limits)
     if truncate is None:
         check_input_chars(request.inputs, limits)
@@ -136,8 +140,19 @@ def validate(request: GenerateRequest, tokenize: Callable[[str], list[int]],
         details=p.details,
         decoder_input_details=p.decoder_input_details,
         return_full_text=p.return_full_text,
-        adapter_id=p.adapter_id,
+        adapter_id=limits.adapters[adapter - 1] if adapter else None,
+        adapter=adapter,
     )
+
+
+def _check_adapter(adapter_id: str | None, limits: ValidationLimits) -> int:
+    """The adapter's index + 1; 0 for none (no id, "", or the base model's id)."""
+    if not adapter_id or adapter_id == limits.model_id:
+        return 0
+    if adapter_id in limits.adapters:
+        return limits.adapters.index(adapter_id) + 1
+    loaded = ", ".join(limits.adapters) if limits.adapters else "none (--lora-adapters)"
+    raise ValidationError(f"adapter {adapter_id!r} is not loaded; loaded adapters: {loaded}")
 
 
 def _check_best_of(p: GenerateParameters, limits: ValidationLimits,

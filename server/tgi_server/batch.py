@@ -25,11 +25,15 @@ class StepBatch:
     samplers: list[ShardSequence]  # sequences that sample this step, in batch order
     sample_rows: list[int]       # per sampler, its row in the logits [S]
     prompt_rows: list[tuple[ShardSequence, int, int]]  # (seq, first logits row, count) for prefill logprobs
+    lora_segments: list[tuple[int, int, int]]  # (LoRA adapter > 0, first row, end row): runs of rows
 
 
 def build_batch(seqs: list[ShardSequence], block_size: int, device: torch.device) -> StepBatch:
     decodes = [s for s in seqs if s.scheduled == 1]
     prefills = [s for s in seqs if s.scheduled > 1]
+    if any(s.adapter for s in seqs):  # each adapter's tokens in one run of decodes and one of prefills
+        decodes.sort(key=lambda s: s.adapter)
+        prefills.sort(key=lambda s: s.adapter)
     ordered = decodes + prefills
     ids: list[int] = []
     positions: list[int] = []
@@ -37,9 +41,15 @@ def build_batch(seqs: list[ShardSequence], block_size: int, device: torch.device
     logits_rows: list[int] = []
     sample_rows: list[int] = []
     prompt_rows: list[tuple[ShardSequence, int, int]] = []
+    lora_segments: list[tuple[int, int, int]] = []
     for seq in ordered:
         start, n = seq.num_computed, seq.scheduled
         first = len(ids)
+        if seq.adapter:
+            if lora_segments and lora_segments[-1][0] == seq.adapter and lora_segments[-1][2] == first:
+                lora_segments[-1] = (seq.adapter, lora_segments[-1][1], first + n)
+            else:
+                lora_segments.append((seq.adapter, first, first + n))
         ids.extend(seq.token_ids[start:start + n])
         positions.extend(range(start, start + n))
         table = seq.block_table
@@ -71,6 +81,7 @@ def build_batch(seqs: list[ShardSequence], block_size: int, device: torch.device
         samplers=[s for s in ordered if s.samples],
         sample_rows=sample_rows,
         prompt_rows=prompt_rows,
+        lora_segments=lora_segments,
     )
 
 

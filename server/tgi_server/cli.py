@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--watermark-gamma", type=float, default=0.5,
                        help="green share of the vocabulary for watermarked requests (0, 1)")
     serve.add_argument("--watermark-delta", type=float, default=2.0, help="bias added to green logits")
+    serve.add_argument("--lora-adapters", default=os.environ.get("LORA_ADAPTERS") or None,
+                       help="LoRA adapters: comma-separated hub ids or local directories, or name=path "
+                            "(env LORA_ADAPTERS)")
     serve.add_argument("--json-output", action="store_true", help="log JSON lines")
     quantize = sub.add_parser("quantize", help="write a GPTQ or AWQ checkpoint of a float model")
     quantize.add_argument("model_id", help="local directory, .gguf file or hub id in the HF cache")
@@ -105,7 +108,8 @@ def config_from_args(args: argparse.Namespace) -> ShardConfig:
         rank=rank, world_size=world_size, master_addr=os.environ.get("MASTER_ADDR", "localhost"),
         master_port=int(os.environ.get("MASTER_PORT", "29500")), cuda_graphs=args.cuda_graphs,
         rope=_rope(args.rope_scaling, args.rope_factor), cuda_memory_fraction=_fraction(args.cuda_memory_fraction),
-        watermark_gamma=_gamma(args.watermark_gamma), watermark_delta=args.watermark_delta)
+        watermark_gamma=_gamma(args.watermark_gamma), watermark_delta=args.watermark_delta,
+        lora_adapters=args.lora_adapters)
 
 
 def _gamma(value: float) -> float:

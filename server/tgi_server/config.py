@@ -26,6 +26,7 @@ class ShardConfig:
     cuda_memory_fraction: float = 1.0  # of a GPU's memory the shard may hold when Warmup sizes the cache
     watermark_gamma: float = 0.5  # green share of the vocabulary for requests with watermark: true
     watermark_delta: float = 2.0  # bias added to the green logits
+    lora_adapters: str | None = None  # --lora-adapters: "id,name=path,..."; None: no adapters
 
     @property
     def socket_path(self) -> str:

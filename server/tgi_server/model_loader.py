@@ -12,9 +12,11 @@ from transformers import AutoConfig, PretrainedConfig
 
 from .distributed import TensorParallel
 from .models import ModelConfig, build_model
+from .layers.lora import AdapterSet
 from .models.rope_override import override_rope
 from .quant import linear_format
 from .weights.errors import CheckpointError
+from .weights.lora_adapters import load_adapters
 from .weights.resolve import ModelSource
 from .weights.source import GGUFSource, SafetensorsSource, TensorSource
 
@@ -30,6 +32,7 @@ class LoadedModel:
     device: torch.device
     tp: TensorParallel          # the group the model is a slice for
     weight_bytes: int           # this rank's parameters, prepacked ones included
+    adapters: AdapterSet | None = None  # LoRA adapters its linears add (--lora-adapters)
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -67,15 +70,25 @@ def _cpu_has_bf16() -> bool:
 
 def open_checkpoint(source: ModelSource, dtype: torch.dtype, device: torch.device,
                     quantize: str | None = None, quant_kernel_dtype: torch.dtype | None = None,
-                    rope: tuple[str, float] | None = None) -> tuple[ModelConfig, TensorSource]:
+                    rope: tuple[str, float] | None = None,
+                    lora_adapters: str | None = None) -> tuple[ModelConfig, TensorSource]:
     """The model's facts and a source of its tensors in (dtype, device); reads
     no weight. `quantize` (gptq | awq | eetq; None: config.json's
     quantization_config, if any) picks how linears load; a GGUF file serves
     its Q4_0/Q4_1 blocks quantized. quant_kernel_dtype: the activations'
     dtype inside quantized CPU kernels (QuantLinear's kernel_dtype; None:
     dtype). rope: (scaling, factor) replacing the checkpoint's RoPE scaling
-    (models/rope_override.py). CheckpointError when the checkpoint cannot
-    be served."""
+    (models/rope_override.py). lora_adapters: --lora-adapters' list, read
+    now (weights/lora_adapters.py) and added by the linears they target.
+    CheckpointError when the checkpoint cannot be served."""
+    config, weights = _open(source, dtype, device, quantize, quant_kernel_dtype, rope)
+    if lora_adapters:
+        weights.lora = AdapterSet(load_adapters(lora_adapters))
+    return config, weights
+
+
+def _open(source: ModelSource, dtype: torch.dtype, device: torch.device, quantize: str | None,
+          quant_kernel_dtype: torch.dtype | None, rope: tuple[str, float] | None) -> tuple[ModelConfig, TensorSource]:
     if source.format == "gguf":
         from .quant.gguf_linear import GGUFFormat
         from .quant.quant_linear import PACKED_KERNEL_DTYPES
@@ -118,7 +131,9 @@ def load_model(config: ModelConfig, weights: TensorSource, tp: TensorParallel) -
     splits over tp.world_size (ModelConfig.check_tensor_parallel)."""
     with torch.device(weights.device):
         model = build_model(weights, config, tp).eval()
-    return LoadedModel(model, config, weights.dtype, weights.device, tp, weight_bytes(model))
+    if weights.lora is not None:
+        weights.lora.check_all_used()
+    return LoadedModel(model, config, weights.dtype, weights.device, tp, weight_bytes(model), weights.lora)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -45,6 +45,7 @@ class ModelRunner:
         self.config = loaded.config
         self.device = loaded.device
         self.tp = loaded.tp
+        self.adapters = loaded.adapters
         self.samples = self.tp.rank == 0
         self.block_size = block_size
         self.backend = select_backend(self.device, attention_backend)
@@ -101,6 +102,9 @@ class ModelRunner:
         sizes = graph_batch_sizes(self.cuda_graph_sizes, max_batch_size)
         if self.device.type != "cuda" or not sizes:
             return None
+        if self.adapters is not None:
+            log.info("CUDA graphs off: LoRA layers group each step's tokens by adapter on the host")
+            return None
         if self.config.moe is not None:
             log.info("CUDA graphs off: mixture-of-experts blocks read how many tokens each expert got "
                      "on the host, which a graph cannot replay")
@@ -122,6 +126,8 @@ class ModelRunner:
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         """hidden [T, hidden] of the step's tokens: a graph replay when one fits."""
+        if self.adapters is not None:
+            self.adapters.set_segments(batch.lora_segments)
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         return self.model(batch.input_ids, self._context(batch))
@@ -142,6 +148,8 @@ class ModelRunner:
                                 params=None, prefill_logprobs=False, scheduled=scheduled)
             fake.append(seq)
         batch = build_batch(fake, bs, self.device)
+        if self.adapters is not None:
+            self.adapters.set_segments([])
         with torch.inference_mode():
             hidden = self.model(batch.input_ids, self._context(batch))
             return self.model.logits(hidden, batch.logits_rows)

@@ -25,6 +25,7 @@ class ShardSequence:
     params: SamplingParams
     prefill_logprobs: bool
     scheduled: int = field(default=0)  # tokens to compute in the current step
+    adapter: int = 0  # 0: the base model; i > 0: the i-th LoRA adapter loaded
     # Constrained decoding: the grammar's state after this sequence's generated
     # tokens (it consumes each sampled token); None: unconstrained.
     grammar: SequenceGrammar | None = None
@@ -150,7 +151,8 @@ class SequenceTable:
         seq = ShardSequence(
             id=n.id, token_ids=[], prompt_length=n.prompt_length or len(n.token_ids),
             num_computed=n.num_computed_tokens, block_table=[],
-            params=params_from_proto(n.parameters), prefill_logprobs=n.parameters.prefill_logprobs)
+            params=params_from_proto(n.parameters), prefill_logprobs=n.parameters.prefill_logprobs,
+            adapter=n.adapter)
         return seq, list(n.token_ids), list(n.block_table), n.num_scheduled_tokens
 
     def _grammar(self, seq_id: int, p: pb.SamplingParameters, generated: list[int]) -> SequenceGrammar:

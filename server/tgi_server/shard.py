@@ -54,7 +54,8 @@ def load_shard(config: ShardConfig) -> tuple[ModelRunner, pb.InfoResponse]:
     source = resolve_model(config.model_id, config.revision)
     log.info("loading %s (%s) as %s on %s", source.model_id, source.path, str(dtype).removeprefix("torch."), device)
     start = time.perf_counter()
-    c, weights = open_checkpoint(source, dtype, device, config.quantize, kernel_dtype, config.rope)
+    c, weights = open_checkpoint(source, dtype, device, config.quantize, kernel_dtype, config.rope,
+                                 config.lora_adapters)
     if config.rope:
         log.info("RoPE scaling %s at factor %g replaces the checkpoint's: the model serves %d positions",
                  *config.rope, c.max_position_embeddings)
@@ -84,7 +85,8 @@ def load_shard(config: ShardConfig) -> tuple[ModelRunner, pb.InfoResponse]:
         num_kv_heads=heads.num_kv_heads, head_dim=c.head_dim, sliding_window=max(layer.sliding_window for layer in c.layers),
         attention_backend=runner.backend, rank=tp.rank, world_size=tp.world_size,
         bos_token_id=c.bos_token_id if c.bos_token_id is not None else 0,
-        tokenizer_json=tokenizer_json, tokenizer_config_json=tokenizer_config_json)
+        tokenizer_json=tokenizer_json, tokenizer_config_json=tokenizer_config_json,
+        adapter_ids=loaded.adapters.names if loaded.adapters is not None else [])
     return runner, info
 
 

@@ -12,7 +12,7 @@ from .doc_snippets import ROOT
 from .prometheus_check import PROMTOOL, parse_families, promtool_problems
 
 ROW = re.compile(r"^\| `(tgi_\w+)` \| (\w+) \| *(`\w+`)? *\|", re.M)
-EXPOSITION = Metrics(max_input_tokens=1024, max_total_tokens=2048).render().decode()
+EXPOSITION = Metrics(max_input_tokens=1024, max_total_tokens=2048, adapters=("an-adapter",)).render().decode()
 
 
 def documented() -> dict[str, tuple[str, frozenset[str]]]:

@@ -153,7 +153,7 @@ INVALID = [
     (["--rope-factor", "0"], {}, "`rope_factor` must be > 0. Given: 0.0"),
     (["--watermark-gamma", "1"], {}, "`watermark_gamma` must be in (0, 1). Given: 1.0"),
     (["--cuda-memory-fraction", "1.5"], {}, "`cuda_memory_fraction` must be in (0, 1]. Given: 1.5"),
-    (["--lora-adapters", "a/b"], {}, "--lora-adapters is not supported yet"),
+    (["--kv-cache-dtype", "fp8_e5m2"], {}, "--kv-cache-dtype is not supported yet"),
     (["--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
     (["--port"], {}, "expected one argument"),
     ([], {"MAX_INPUT_TOKENS": "abc"}, "invalid value 'abc' for MAX_INPUT_TOKENS"),

@@ -47,6 +47,7 @@ EXTRA_TYPES = {
     "tgi_prefix_cache_queried_tokens": "counter",
     "tgi_prefix_cache_hit_tokens": "counter",
     "tgi_request_prefill_chunks": "histogram",
+    "tgi_lora_requests": "counter",
     "tgi_otlp_spans_exported": "counter",
     "tgi_otlp_spans_dropped": "counter",
 }

@@ -4,6 +4,7 @@ and freezes TGI's defaults. The tokenizer is a fake: one token per char."""
 import dataclasses
 import json
 import random
+import re
 
 import pytest
 
@@ -68,11 +69,21 @@ def test_absent_parameters_mean_sampling_as_in_tgi():
 
 
 def test_flags_and_adapter_pass_through():
-    v = run(details=True, return_full_text=True, adapter_id="a", watermark=True,
+    limits = ValidationLimits(max_input_tokens=10, max_total_tokens=20, adapters=("x", "a"), model_id="org/base")
+    v = run(limits=limits, details=True, return_full_text=True, adapter_id="a", watermark=True,
             decoder_input_details=True, top_n_tokens=5, stop=["x", "y"])
     assert v.details and v.decoder_input_details and v.return_full_text
-    assert v.adapter_id == "a" and v.parameters.watermark and v.top_n_tokens == 5
+    assert (v.adapter_id, v.adapter) == ("a", 2) and v.parameters.watermark and v.top_n_tokens == 5
     assert v.stopping.stop_sequences == ("x", "y")
+    for base in (None, "", "org/base"):  # no adapter, or the base model's own id
+        assert (run(limits=limits, adapter_id=base).adapter_id, run(limits=limits, adapter_id=base).adapter) == (None, 0)
+
+
+@pytest.mark.parametrize("adapters,listed", [(("x", "a"), "x, a"), ((), "none (--lora-adapters)")])
+def test_an_unknown_adapter_is_refused_naming_the_loaded_ones(adapters, listed):
+    limits = ValidationLimits(max_input_tokens=10, max_total_tokens=20, adapters=adapters)
+    with pytest.raises(ValidationError, match=re.escape(f"adapter 'b' is not loaded; loaded adapters: {listed}")):
+        run(limits=limits, adapter_id="b")
 
 
 # ------------------------------------------------------------------- seeds

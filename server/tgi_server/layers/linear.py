@@ -19,6 +19,7 @@ from tgi_kernels.native import native_ops
 from ..distributed import TensorParallel
 from ..quant import QuantizedMatrix, QuantLinear, stack_rows
 from ..weights.source import TensorSource
+from .lora import column_lora, row_lora
 
 # oneDNN repacks a plain bf16 weight into its blocked layout on every call;
 # packing once at load time made SmolLM2's linears 26% (batch 1) to 40%
@@ -114,9 +115,14 @@ class Linear(nn.Module):
         A quantized checkpoint (weights.linear_format) gives a QuantLinear."""
         b = _cat([weights.get_slice(f"{p}.bias", 0, start, stop) for p, start, stop in parts]) if bias else None
         if weights.linear_format is None:
-            return cls(_cat([weights.get_slice(f"{p}.weight", 0, start, stop) for p, start, stop in parts]), b)
-        loaded = [weights.linear_format.load(weights, p, 0, start, stop) for p, start, stop in parts]
-        return _build(weights, loaded, b, None)
+            base = cls(_cat([weights.get_slice(f"{p}.weight", 0, start, stop) for p, start, stop in parts]), b)
+        else:
+            loaded = [weights.linear_format.load(weights, p, 0, start, stop) for p, start, stop in parts]
+            base = _build(weights, loaded, b, None)
+        lora = weights.lora
+        if lora is None or not any(lora.targets(p) for p, _, _ in parts):
+            return base
+        return column_lora(base, lora, parts, weights.dtype, weights.device)
 
     @classmethod
     def load_row(cls, weights: TensorSource, prefix: str, in_features: int, bias: bool,
@@ -128,9 +134,15 @@ class Linear(nn.Module):
         start, stop = tp.split(in_features)
         b = weights.get(f"{prefix}.bias") if bias and tp.rank == 0 else None
         reduce = tp if tp.world_size > 1 and reduce else None
+        lora = weights.lora if weights.lora is not None and weights.lora.targets(prefix) else None
+        own_reduce = None if lora is not None else reduce  # with LoRA the deltas join the partial sums first
         if weights.linear_format is None:
-            return cls(weights.get_slice(f"{prefix}.weight", 1, start, stop), b, reduce)
-        return _build(weights, [weights.linear_format.load(weights, prefix, 1, start, stop)], b, reduce)
+            base = cls(weights.get_slice(f"{prefix}.weight", 1, start, stop), b, own_reduce)
+        else:
+            base = _build(weights, [weights.linear_format.load(weights, prefix, 1, start, stop)], b, own_reduce)
+        if lora is None:
+            return base
+        return row_lora(base, lora, prefix, start, stop, reduce, weights.dtype, weights.device)
 
     def dense_weight(self) -> torch.Tensor:
         """The weight [out, in] this layer applies, whichever layout holds it."""

@@ -45,7 +45,7 @@ def resolve_model(model_id: str | None, revision: str | None = None) -> ModelSou
         return _from_directory(model_id, path)
     if path.is_absolute() or model_id.startswith(".") or model_id.count("/") > 1:
         raise CheckpointError(f"model path {model_id!r} does not exist")
-    return _from_directory(model_id, _hub_snapshot(model_id, revision))
+    return _from_directory(model_id, hub_snapshot(model_id, revision))
 
 
 def _from_directory(model_id: str, path: Path) -> ModelSource:
@@ -57,20 +57,24 @@ def _from_directory(model_id: str, path: Path) -> ModelSource:
     raise CheckpointError(f"{path}: no config.json (and not exactly one .gguf file)")
 
 
-def _hub_snapshot(model_id: str, revision: str | None) -> Path:
+def hub_snapshot(model_id: str, revision: str | None, patterns: list[str] = HUB_PATTERNS,
+                 kind: str = "model") -> Path:
+    """The local snapshot of hub repository `model_id` (its files matching
+    `patterns`), from the cache or downloaded; CheckpointError in one line
+    naming it as a `kind`."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(model_id, revision=revision, allow_patterns=HUB_PATTERNS,
+        return Path(snapshot_download(model_id, revision=revision, allow_patterns=patterns,
                                       local_files_only=True))
     except HFValidationError:
-        raise CheckpointError(f"model {model_id!r} is neither a local path nor a valid hub id") from None
+        raise CheckpointError(f"{kind} {model_id!r} is neither a local path nor a valid hub id") from None
     except LocalEntryNotFoundError:
         pass  # not cached: download, which huggingface_hub refuses under HF_HUB_OFFLINE=1
     try:
-        return Path(snapshot_download(model_id, revision=revision, allow_patterns=HUB_PATTERNS))
+        return Path(snapshot_download(model_id, revision=revision, allow_patterns=patterns))
     except Exception as err:  # network, auth, missing repo: all one-line errors
         first_line = str(err).splitlines()[0] if str(err) else ""
-        raise CheckpointError(f"model {model_id!r} is not in the Hugging Face cache and could not be "
+        raise CheckpointError(f"{kind} {model_id!r} is not in the Hugging Face cache and could not be "
                               f"downloaded: {type(err).__name__}: {first_line}") from None

@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 from .errors import CheckpointError
 
 if TYPE_CHECKING:
+    from ..layers.lora import AdapterSet
     from ..quant.methods import LinearFormat
     from .gguf import GGUFFile
 
@@ -25,6 +26,7 @@ class TensorSource(Protocol):
     device: torch.device
     linear_format: LinearFormat | None  # how linear layers load; None: dense `.weight` tensors
     quant_kernel_dtype: torch.dtype | None  # activations inside quantized CPU kernels; None: dtype
+    lora: AdapterSet | None  # LoRA adapters the linears add (layers/lora.py); None: none
 
     def has(self, name: str) -> bool: ...
 
@@ -51,6 +53,7 @@ class SafetensorsSource:
         self.dtype, self.device = dtype, device
         self.linear_format = None
         self.quant_kernel_dtype = None
+        self.lora = None
         self._file_of: dict[str, Path] = {}
         files = sorted(directory.glob("*.safetensors"))
         index = directory / "model.safetensors.index.json"
@@ -106,6 +109,7 @@ class GGUFSource:
         self.dtype, self.device = dtype, device
         self.linear_format = None
         self.quant_kernel_dtype = None
+        self.lora = None
         self._file = file
         self._names = set(file.names)
 
