@@ -218,13 +218,29 @@ _FLAGS = (
 )
 
 # TGI flags that have no effect here: accepted (and logged) so that a TGI
-# command line still starts. name -> takes a value.
-_IGNORED = {"validation_workers": True, "speculate": True,
-            "weights_cache_override": True, "disable_custom_kernels": False,
-            "usage_stats": True, "enable_prefill_logprobs": False, "ngrok_authtoken": True,
-            "ngrok_edge": True, "env": False}
-# TGI flags whose effect we cannot give yet: refused.
-_UNSUPPORTED = ("kv_cache_dtype", "ngrok")
+# command line still starts. name -> (takes a value, why nothing changes).
+_IGNORED = {
+    "validation_workers": (True, "no effect: each request is validated in a worker thread as it arrives; "
+                                 "there is no pool of tokenizer workers to size"),
+    "speculate": (True, "no effect yet: speculative decoding is not implemented (tokens are the same "
+                        "without it, only slower)"),
+    "weights_cache_override": (True, "no effect: TGI's Inference Endpoints weights path; weights come from "
+                                     "--model-id or the Hugging Face cache (--huggingface-hub-cache)"),
+    "disable_custom_kernels": (False, "no effect: TGI's switch for its CUDA extensions; ours are picked per "
+                                      "attention backend (TGI_ATTENTION_BACKEND=sdpa runs plain torch)"),
+    "usage_stats": (True, "no effect: no usage statistics are ever collected or sent"),
+    "enable_prefill_logprobs": (False, "no effect: prompt logprobs are always available per request "
+                                       "(decoder_input_details)"),
+    "ngrok_authtoken": (True, "no effect: there is no built-in ngrok tunnel (see --ngrok)"),
+    "ngrok_edge": (True, "no effect: there is no built-in ngrok tunnel (see --ngrok)"),
+    "env": (False, "no effect: TGI's environment report; the launcher logs its configuration (Args ...) "
+                   "at start-up instead"),
+}
+# TGI flags whose effect we cannot give: refused. name -> why.
+_UNSUPPORTED = {
+    "kv_cache_dtype": "refused: fp8 KV cache blocks are not implemented yet",
+    "ngrok": "refused: there is no built-in ngrok tunnel; run ngrok (or any tunnel) beside the server",
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -249,12 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
             action = "append" if flag.name == "cors_allow_origin" else "store"
             parser.add_argument(*names, dest=flag.name, action=action, help=help_text,
                                 type=_argparse_type(flag), metavar=flag.name.upper())
-    for name, takes_value in _IGNORED.items():
+    for name, (takes_value, why) in _IGNORED.items():
         names = (_option(name), "-e") if name == "env" else (_option(name),)
-        parser.add_argument(*names, dest=name, help="TGI flag with no effect here",
+        parser.add_argument(*names, dest=name, help=f"TGI flag, accepted with {why}",
                             **({"metavar": "VALUE"} if takes_value else {"action": "store_true"}))
-    for name in _UNSUPPORTED:
-        parser.add_argument(_option(name), dest=name, help="not supported yet",
+    for name, why in _UNSUPPORTED.items():
+        parser.add_argument(_option(name), dest=name, help=f"TGI flag, {why}",
                             **({"action": "store_true"} if name == "ngrok" else {"metavar": "VALUE"}))
     return parser
 

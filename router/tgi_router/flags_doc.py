@@ -25,8 +25,8 @@ HEADER = """\
 with an environment variable can be given either way; the flag wins, and an
 empty variable counts as unset. Flags marked *[ours]* do not exist in TGI.
 Flags that TGI has but that change nothing here are accepted, so a TGI command
-line starts unchanged; flags whose effect is not implemented yet are refused
-with a one-line error (exit 2).
+line starts unchanged; flags whose effect is not implemented yet, or cannot
+apply, are refused with a one-line error (exit 2). Each says which, and why.
 
 | Flag | Environment | Value | Description |
 |---|---|---|---|
