@@ -14,7 +14,7 @@ from typing import NoReturn
 from .config import ShardConfig
 
 QUANTIZE_METHODS = ("gptq", "awq", "eetq")  # quant.METHODS, without importing torch to parse flags
-ROPE_SCALINGS = ("linear", "dynamic", "yarn")  # models.rope_override.SCALINGS, likewise
+ROPE_SCALINGS = ("linear", "dynamic", "yarn")  # what models/rope_override.py serves
 
 log = logging.getLogger("tgi_server")
 

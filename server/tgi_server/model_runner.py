@@ -23,10 +23,10 @@ from .grammar import GrammarCompiler
 from .kv_cache import KVCache, KVCacheSpec
 from .layers.attention import ForwardContext
 from .memory import kv_cache_budget
-from .watermark import Watermark
 from .model_loader import LoadedModel
 from .sampler import Sampler, prompt_logprobs
 from .sequences import SequenceTable, ShardSequence
+from .watermark import Watermark
 
 log = logging.getLogger("tgi_server")
 
@@ -35,7 +35,10 @@ class ModelRunner:
     """grammars: compiles the grammars of constrained requests; None when the
     shard has no tokenizer (a grammar is then an invalid step) and on ranks
     > 0, which do not sample. cuda_graphs: decode batch sizes to capture at
-    Warmup (CUDA only; ignored elsewhere)."""
+    Warmup (CUDA only; ignored elsewhere). memory_fraction: the share of a
+    GPU's memory the shard may hold when Warmup sizes the cache itself
+    (--cuda-memory-fraction). watermark: gamma and delta for requests that
+    ask for the watermark (None: TGI's defaults)."""
 
     def __init__(self, loaded: LoadedModel, block_size: int, attention_backend: str | None,
                  kv_cache_bytes: int, grammars: GrammarCompiler | None = None,
