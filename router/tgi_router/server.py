@@ -65,6 +65,8 @@ async def serve_router(config: RouterConfig, shard_failed: asyncio.Event, shutdo
     with contextlib.suppress(asyncio.CancelledError):
         await serving
     await client.close()
+    if (tracing := getattr(app.state, "tracing", None)) is not None:
+        await asyncio.to_thread(tracing.shutdown)  # the last requests' spans go out before the exit
     return code
 
 
@@ -128,8 +130,8 @@ async def _build(config: RouterConfig, client: ShardClient):
         from .tracing import Tracing, TracingMiddleware
 
         engine.tracing = True
-        app.add_middleware(TracingMiddleware, tracing=Tracing(config.otlp_endpoint, config.otlp_service_name,
-                                                              metrics))
+        app.state.tracing = Tracing(config.otlp_endpoint, config.otlp_service_name, metrics)
+        app.add_middleware(TracingMiddleware, tracing=app.state.tracing)
         log.info("exporting traces to %s as %s", config.otlp_endpoint, config.otlp_service_name)
     return engine, app, state
 

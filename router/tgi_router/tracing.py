@@ -70,6 +70,7 @@ class Tracing:
         return RequestSpan(self, span)
 
     def shutdown(self) -> None:
+        """Exports the spans still queued (waiting at most one export's timeout), then stops."""
         self.provider.shutdown()
 
 
@@ -146,9 +147,6 @@ class _QueuedExport(SpanProcessor):
         self._queue.put(None)  # after the spans already queued
         self._thread.join(EXPORT_TIMEOUT + FLUSH_SECONDS + 1)
         self.exporter.shutdown()
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
 
 
 class TracingMiddleware:
