@@ -4,6 +4,7 @@ scheduler to completion."""
 
 import asyncio
 import os
+import shutil
 import socket as socketlib
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors.torch import save_file
 
 from tgi_proto import pb
 from tgi_router.block_manager import BlockManager
@@ -96,6 +98,16 @@ def save_tiny_model(model_type: str, path: Path, seed: int = 0, **overrides) -> 
                 p.normal_(0, 0.15)
     model.save_pretrained(path)
     return path
+
+
+def with_tensors(source: Path, tensors: dict[str, torch.Tensor], out: Path) -> Path:
+    """A copy of checkpoint directory `source` at `out` whose weights are
+    `tensors` (names as on disk: transformers renames them on load as it
+    would the original's)."""
+    shutil.copytree(source, out)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:

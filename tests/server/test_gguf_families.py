@@ -13,18 +13,18 @@ with each linear replaced by what gguf itself dequantizes it to.
 import asyncio
 import math
 import re
-import shutil
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from tgi_server.quant.quant_linear import QuantLinear
 from tgi_server.weights.gguf import GGUFFile
 
-from ..shard_harness import HF_CLASSES, InProcessShard, ShardProcesses, hf_greedy, run_prompts, save_tiny_model
+from ..shard_harness import (HF_CLASSES, InProcessShard, ShardProcesses, hf_greedy, run_prompts, save_tiny_model,
+                             with_tensors)
 from .test_engine_matches_hf import engine_logits
 from .test_quant_models import hf_logits, runner_for
 
@@ -124,10 +124,8 @@ def reference(model_type: str, source, stands_for: dict[str, np.ndarray], tmp_pa
     """transformers' model of `source` holding the `stands_for` tensors
     (saved beside its config, so transformers loads them as it would the
     original, experts renamed as it does)."""
-    directory = tmp_path / f"{model_type}-reference"
-    shutil.copytree(source, directory)
-    save_file({name: np.ascontiguousarray(v) for name, v in stands_for.items()},
-              str(directory / "model.safetensors"), metadata={"format": "pt"})
+    tensors = {name: torch.from_numpy(np.ascontiguousarray(v)) for name, v in stands_for.items()}
+    directory = with_tensors(source, tensors, tmp_path / f"{model_type}-reference")
     return HF_CLASSES[model_type][1].from_pretrained(directory, dtype=torch.float32).eval()
 
 

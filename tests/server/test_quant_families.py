@@ -7,19 +7,18 @@ tensors and every expert's projections included, the MoE routers and
 qwen2_moe's shared-expert gate left in float."""
 
 import re
-import shutil
 
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from tgi_server.model_loader import open_checkpoint
 from tgi_server.quant import QuantLinear, quantize_rtn
 from tgi_server.quant.quantizer.export import awq_tensors, gptq_tensors, quantization_config
 from tgi_server.weights.resolve import resolve_model
 
-from ..shard_harness import HF_CLASSES, save_tiny_model
+from ..shard_harness import HF_CLASSES, save_tiny_model, with_tensors
 from .test_engine_matches_hf import engine_logits
 from .test_quant_models import hf_logits, runner_for
 
@@ -43,8 +42,7 @@ def quantize_checkpoint(source, out, method: str) -> tuple[dict[str, torch.Tenso
             linears.append(name)
         else:
             state[name] = tensor
-    shutil.copytree(source, out)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with_tensors(source, state, out)
     config = transformers.AutoConfig.from_pretrained(source).to_dict()
     config["quantization_config"] = quantization_config(method, 4, 32, act_order=False, symmetric=False)
     (out / "config.json").write_text(transformers.AutoConfig.for_model(**config).to_json_string())
@@ -66,10 +64,7 @@ def test_a_quantized_checkpoint_serves_its_dequantized_weights(model_type, metho
     # q, k and v run as one layer, gate and up (w1 and w3) as one
     merged = sum(2 * n.endswith(".v_proj.weight") + n.endswith((".up_proj.weight", ".w3.weight")) for n in stands_for)
     assert len(layers) == count - merged
-    reference_dir = tmp_path / "reference"
-    shutil.copytree(source, reference_dir)
-    save_file({n: t.contiguous() for n, t in stands_for.items()}, str(reference_dir / "model.safetensors"),
-              metadata={"format": "pt"})
+    reference_dir = with_tensors(source, stands_for, tmp_path / "reference")
     reference = HF_CLASSES[model_type][1].from_pretrained(reference_dir, dtype=torch.float32).eval()
     for prompt in PROMPTS:
         assert (engine_logits(runner, prompt) - hf_logits(reference, prompt)).abs().max() < 1e-3

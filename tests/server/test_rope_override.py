@@ -3,6 +3,8 @@ checkpoint's RoPE scaling, as TGI's ROPE_SCALING / ROPE_FACTOR do, the
 model's length grows by the factor, and the logits past the checkpoint's
 own length equal transformers' with the same override in its config."""
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -47,7 +49,7 @@ def test_linear_scaling_past_the_checkpoint_s_length_matches_transformers_with_t
 
 def test_dynamic_scaling_fixes_the_base_transformers_computes_at_the_longest_sequence(tmp_path):
     hf = _hf_config("llama", tmp_path)
-    reference = _hf_config("llama", tmp_path / "again")
+    reference = copy.deepcopy(hf)
     reference.rope_parameters = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
     inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](reference, torch.device("cpu"), seq_len=2048)
     assert override_rope(hf, "dynamic", 4.0) == 2048
@@ -57,8 +59,8 @@ def test_dynamic_scaling_fixes_the_base_transformers_computes_at_the_longest_seq
 
 def test_yarn_scales_from_the_checkpoint_s_length_as_transformers_does(tmp_path):
     hf = _hf_config("qwen2", tmp_path)
+    reference = copy.deepcopy(hf)
     assert override_rope(hf, "yarn", 4.0) == 2048
-    reference = _hf_config("qwen2", tmp_path / "again")
     reference.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                  "original_max_position_embeddings": 512}
     inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](reference, torch.device("cpu"))
