@@ -41,6 +41,8 @@ BACKENDS: dict[str, AttentionBackend] = {
 }
 # Those that cap scores softly (gemma2's attn_logit_softcapping); triton does not yet.
 SOFTCAP_BACKENDS = ("reference", "sdpa", "cpu", "flash_attn")
+# Those that read a float8 KV cache (fp8.py); flash-attn 2 takes fp16/bf16 caches only.
+FP8_KV_BACKENDS = ("reference", "sdpa", "cpu", "triton")
 
 
 def available_backends(device: torch.device) -> list[str]:
@@ -97,6 +99,7 @@ def paged_decode(
 
     query [B, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D] already holding
     the current token; H a multiple of KVH (query head h reads kv head h // (H // KVH)).
+    The cache may be float8 (FP8_KV_BACKENDS): its values are read as they are.
     Query b sits at position seq_lens[b] - 1 and sees keys j with
     seq_lens[b] - 1 - sliding_window < j <= seq_lens[b] - 1 (no lower bound when
     sliding_window is 0). softcap > 0: each scaled score s becomes
@@ -122,7 +125,7 @@ def varlen_prefill(
     """Causal attention of a packed batch of chunks, each after an optional cached prefix.
 
     query [T, H, D]; key/value [T, KVH, D] for the chunk tokens, which are also already
-    in the cache. Query token i of sequence b sits at position p = prefix_lens[b] + i
+    in the cache (float8 in FP8_KV_BACKENDS: read as they are). Query token i of sequence b sits at position p = prefix_lens[b] + i
     and sees keys j with p - sliding_window < j <= p; keys j < prefix_lens[b] are read
     from the cache. softcap as in paged_decode. Returns out [T, H, D] in query's dtype.
     """

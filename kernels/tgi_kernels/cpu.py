@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import sdpa
+from .fp8 import FP8_KV_DTYPES
 from .metadata import DecodeMeta, PrefillMeta
 from .native import native_ops
 
@@ -34,8 +35,9 @@ def paged_decode(
     sliding_window: int = 0,
     softcap: float = 0.0,
 ) -> torch.Tensor:
-    """query [B, H, D] -> out [B, H, D]; see tgi_kernels.paged_decode."""
-    if query.dtype != k_cache.dtype:
+    """query [B, H, D] -> out [B, H, D]; see tgi_kernels.paged_decode. The
+    cache in query's dtype or float8 (read in place, widened row by row)."""
+    if query.dtype != k_cache.dtype and k_cache.dtype not in FP8_KV_DTYPES:
         return sdpa.paged_decode(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
     return native_ops().paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                      sliding_window, softcap)
@@ -54,9 +56,10 @@ def varlen_prefill(
 ) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D] -> out [T, H, D]; see tgi_kernels.varlen_prefill.
     All chunks in one call of our kernel (csrc/prefill.cpp; built where the CPU
-    has AVX2 or AVX-512) when the dtypes agree, else SDPA a sequence at a time."""
+    has AVX2 or AVX-512) when the cache is in query's dtype or float8, else
+    SDPA a sequence at a time."""
     ops = native_ops()
-    if (query.dtype == k_cache.dtype and query.dtype != torch.float64 and query.shape[-1] % 16 == 0
+    if ((query.dtype == k_cache.dtype or k_cache.dtype in FP8_KV_DTYPES) and query.dtype != torch.float64 and query.shape[-1] % 16 == 0
             and hasattr(ops, "varlen_prefill")):
         return ops.varlen_prefill(query, key, value, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                   meta.prefix_lens, scale, sliding_window, softcap)
@@ -64,9 +67,11 @@ def varlen_prefill(
 
 
 def rotary_store_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, num_heads: int,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """In place: rotates the query and key heads of qkv [T, H + 2 KVH, D]
     (x * cos + roll(x, D/2) * signed_sin, cos/signed_sin [T, 1, D] in qkv's
     dtype), then writes its key and value heads into the caches
-    [num_blocks, block_size, KVH, D] (qkv's dtype) at slot_mapping [T] int64."""
-    native_ops().rotary_store_kv(qkv, cos, signed_sin, num_heads, k_cache, v_cache, slot_mapping)
+    [num_blocks, block_size, KVH, D] (qkv's dtype, or float8 holding key /
+    k_scale and value / v_scale) at slot_mapping [T] int64."""
+    native_ops().rotary_store_kv(qkv, cos, signed_sin, num_heads, k_cache, v_cache, slot_mapping, k_scale, v_scale)

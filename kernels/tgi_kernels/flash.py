@@ -76,8 +76,8 @@ def paged_decode(
     else:
         ids = sdpa.decode_block_ids(meta, block_size)
         batch = query.shape[0]
-        k = sdpa.gather_blocks(k_cache, ids, batch)  # [B, L, KVH, D]
-        v = sdpa.gather_blocks(v_cache, ids, batch)  # [B, L, KVH, D]
+        k = sdpa.gather_blocks(k_cache, ids, batch, query.dtype)  # [B, L, KVH, D]
+        v = sdpa.gather_blocks(v_cache, ids, batch, query.dtype)  # [B, L, KVH, D]
         out = _flash().flash_attn_with_kvcache(q, k, v, **common)  # [B, 1, H, D]
     return out.squeeze(1)
 

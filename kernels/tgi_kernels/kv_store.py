@@ -1,4 +1,4 @@
-"""Writing new keys and values into the paged KV cache."""
+"""Writing new keys and values into the paged KV cache (float8 caches: fp8.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 
 from . import cpu
 from . import triton as triton_backend
-
+from .fp8 import FP8_KV_DTYPES, to_cache_dtype
 
 def store_kv(
     key: torch.Tensor,
@@ -15,22 +15,28 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     backend: str | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write token t's key/value into slot `slot_mapping[t]` of the cache, in place.
 
     key/value [T, KVH, D]; k_cache/v_cache [num_blocks, block_size, KVH, D], contiguous;
     slot_mapping [T] int64 with slot = block_id * block_size + offset. Every slot must be
-    valid (no negative padding slots) and distinct. Values are cast to the cache dtype.
+    valid (no negative padding slots) and distinct. Values are cast to the cache dtype
+    (to_cache_dtype, with k_scale / v_scale where the cache is float8).
     backend "triton" writes with the Triton kernel; any other name uses torch.
     """
     if backend == "triton":
-        triton_backend.store_kv(key, value, k_cache, v_cache, slot_mapping)
+        triton_backend.store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     kv_heads, head_dim = k_cache.shape[2:]
+    key, value = to_cache_dtype(key, k_cache.dtype, k_scale), to_cache_dtype(value, v_cache.dtype, v_scale)
     k_flat = k_cache.view(-1, kv_heads, head_dim)  # [num_blocks * block_size, KVH, D]
     v_flat = v_cache.view(-1, kv_heads, head_dim)
-    k_flat.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_flat.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    if k_cache.dtype in FP8_KV_DTYPES:  # torch has no index_copy_ for float8: copy the bytes
+        k_flat, v_flat, key, value = (t.view(torch.uint8) for t in (k_flat, v_flat, key, value))
+    k_flat.index_copy_(0, slot_mapping, key)
+    v_flat.index_copy_(0, slot_mapping, value)
 
 
 def fuses_rotary(backend: str | None) -> bool:
@@ -39,10 +45,11 @@ def fuses_rotary(backend: str | None) -> bool:
 
 
 def rotary_store_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, num_heads: int,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """The rotary embedding and store_kv in one pass, for backends where
     fuses_rotary: rotates the query and key heads of qkv [T, H + 2 KVH, D]
     in place (x * cos + roll(x, D/2) * signed_sin; cos/signed_sin [T, 1, D]),
     then stores its key and value heads at slot_mapping [T] (valid, distinct
-    slots). Everything in the cache's dtype."""
-    cpu.rotary_store_kv(qkv, cos, signed_sin, num_heads, k_cache, v_cache, slot_mapping)
+    slots). The cache in qkv's dtype, or float8 (as store_kv writes it)."""
+    cpu.rotary_store_kv(qkv, cos, signed_sin, num_heads, k_cache, v_cache, slot_mapping, k_scale, v_scale)

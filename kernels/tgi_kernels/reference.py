@@ -12,17 +12,19 @@ import torch
 from .metadata import DecodeMeta, PrefillMeta
 
 
-def read_context(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, n: int):
+def read_context(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, n: int,
+                 dtype: torch.dtype | None = None):
     """K/V of absolute positions 0..n-1 of one sequence, read through its block table.
 
     k_cache/v_cache [num_blocks, block_size, KVH, D]; block_table [max_blocks].
-    Returns two [n, KVH, D] tensors (copies).
+    Returns two [n, KVH, D] tensors (copies) in `dtype` (default: the cache's;
+    a float8 cache's values read as they are).
     """
     block_size = k_cache.shape[1]
     blocks = block_table[: -(-n // block_size)].long()  # [ceil(n / block_size)]
     k = k_cache[blocks].flatten(0, 1)[:n]  # [n, KVH, D]
     v = v_cache[blocks].flatten(0, 1)[:n]
-    return k, v
+    return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))
 
 
 def attention_mask(q_pos: torch.Tensor, num_keys: int, sliding_window: int) -> torch.Tensor:
@@ -97,7 +99,7 @@ def varlen_prefill(
         s, e = starts[b], starts[b] + n
         k, v = key[s:e], value[s:e]  # [n, KVH, D]
         if prefix > 0:
-            k_prefix, v_prefix = read_context(k_cache, v_cache, meta.block_tables[b], prefix)
+            k_prefix, v_prefix = read_context(k_cache, v_cache, meta.block_tables[b], prefix, key.dtype)
             k = torch.cat([k_prefix, k])  # [prefix + n, KVH, D]
             v = torch.cat([v_prefix, v])
         q_pos = prefix + torch.arange(n, device=query.device)  # [n]

@@ -27,12 +27,13 @@ import torch.nn.functional as F
 from .metadata import DecodeMeta, PrefillMeta
 
 
-def gather_blocks(cache: torch.Tensor, ids: torch.Tensor, batch: int) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, ids: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tensor:
     """The blocks `ids` [B * num_blocks] (each sequence's first num_blocks,
     row after row) of cache [num_cache_blocks, block_size, KVH, D] as one
-    dense tensor [B, num_blocks * block_size, KVH, D] (a copy, contiguous)."""
+    dense tensor [B, num_blocks * block_size, KVH, D] in `dtype` (a copy,
+    contiguous; a float8 cache's blocks widened once gathered)."""
     _, block_size, kv_heads, head_dim = cache.shape
-    dense = cache.index_select(0, ids)  # [B * num_blocks, block_size, KVH, D]
+    dense = cache.index_select(0, ids).to(dtype)  # [B * num_blocks, block_size, KVH, D]
     return dense.view(batch, -1, kv_heads, head_dim)
 
 
@@ -69,8 +70,8 @@ def paged_decode(
     if batch == 0:
         return torch.empty_like(query)
     ids, mask = _decode_layout(meta, block_size, sliding_window)
-    k = gather_blocks(k_cache, ids, batch).transpose(1, 2)  # [B, KVH, L, D]
-    v = gather_blocks(v_cache, ids, batch).transpose(1, 2)  # [B, KVH, L, D]
+    k = gather_blocks(k_cache, ids, batch, query.dtype).transpose(1, 2)  # [B, KVH, L, D]
+    v = gather_blocks(v_cache, ids, batch, query.dtype).transpose(1, 2)  # [B, KVH, L, D]
     if softcap > 0:
         return _capped(query[:, :, None], k, v, mask, scale, softcap).reshape(batch, heads, head_dim)
     # Query heads h = kvh * G + g share KV head kvh: fold g into the query-length axis.
@@ -97,15 +98,16 @@ def _decode_layout(meta: DecodeMeta, block_size: int, sliding_window: int) -> tu
     return meta.derived[key]
 
 
-def _read_prefix(cache: torch.Tensor, block_table: torch.Tensor, start_block: int, prefix: int) -> torch.Tensor:
+def _read_prefix(cache: torch.Tensor, block_table: torch.Tensor, start_block: int, prefix: int,
+                 dtype: torch.dtype) -> torch.Tensor:
     """Cached KV of positions start_block * block_size .. prefix - 1 of one sequence.
 
     cache [num_cache_blocks, block_size, KVH, D]; block_table [max_blocks].
-    Returns [prefix - start_block * block_size, KVH, D].
+    Returns [prefix - start_block * block_size, KVH, D] in `dtype`.
     """
     block_size = cache.shape[1]
     end_block = -(-prefix // block_size)
-    dense = cache.index_select(0, block_table[start_block:end_block])  # [nb, block_size, KVH, D]
+    dense = cache.index_select(0, block_table[start_block:end_block]).to(dtype)  # [nb, block_size, KVH, D]
     return dense.flatten(0, 1)[: prefix - start_block * block_size]
 
 
@@ -135,8 +137,8 @@ def _prefill_one(
     start_block = first_visible // block_size
     k_start = start_block * block_size  # absolute position of the first key read
     if prefix > k_start:
-        key = torch.cat([_read_prefix(k_cache, block_table, start_block, prefix), key])  # [m, KVH, D]
-        value = torch.cat([_read_prefix(v_cache, block_table, start_block, prefix), value])
+        key = torch.cat([_read_prefix(k_cache, block_table, start_block, prefix, key.dtype), key])  # [m, KVH, D]
+        value = torch.cat([_read_prefix(v_cache, block_table, start_block, prefix, value.dtype), value])
 
     q_pos = prefix + torch.arange(query.shape[0], device=query.device)  # [n]
     k_pos = k_start + torch.arange(key.shape[0], device=query.device)  # [m]

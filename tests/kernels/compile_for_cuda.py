@@ -36,27 +36,33 @@ def source(fn, pointers: dict, scalars: dict, constexprs: dict) -> ASTSource:
 
 def cases():
     i32 = "i32"
-    # bf16 with GQA 8 / head 128 (what serves), and float32 (the "ieee" dot path) at GQA 1 / head 64.
-    for dtype, (group, head_dim) in (("bf16", (8, 128)), ("fp32", (1, 64))):
-        p = f"*{dtype}"
+    # bf16 with GQA 8 / head 128 (what serves), float32 (the "ieee" dot path) at GQA 1 / head 64,
+    # and bf16 over float8 caches (--kv-cache-dtype: e4m3fn is fp8e4nv, e5m2 fp8e5).
+    for dtype, cache, (group, head_dim) in (("bf16", "bf16", (8, 128)), ("fp32", "fp32", (1, 64)),
+                                            ("bf16", "fp8e4nv", (8, 128)), ("bf16", "fp8e5", (8, 128))):
+        p, c = f"*{dtype}", f"*{cache}"
         precision = "ieee" if dtype == "fp32" else "tf32"
-        yield "store_kv", store_kv_kernel._store_kv_kernel, (
-            dict(key=p, value=p, k_cache=p, v_cache=p, slot_mapping="*i64"),
-            dict(stride_kt=i32, stride_kh=i32, stride_vt=i32, stride_vh=i32),
-            dict(KV_HEADS=4, HEAD_DIM=head_dim, BLOCK_H=4, BLOCK_D=head_dim))
+        fp8_max = {"fp8e4nv": 448.0, "fp8e5": 57344.0}.get(cache, 0.0)
+        yield f"store_kv into {cache}", store_kv_kernel._store_kv_kernel, (
+            dict(key=p, value=p, k_cache=c, v_cache=c, slot_mapping="*i64"),
+            dict(stride_kt=i32, stride_kh=i32, stride_vt=i32, stride_vh=i32, k_inv_scale="fp32", v_inv_scale="fp32"),
+            dict(KV_HEADS=4, HEAD_DIM=head_dim, BLOCK_H=4, BLOCK_D=head_dim, FP8_MAX=fp8_max))
+        if cache == "fp8e5":
+            continue  # reads widen either float8 alike: e4m3fn's cases cover them
         for splits in (1, 4):
-            yield f"paged_decode(splits={splits})", paged_decode_kernel._decode_kernel, (
-                dict(query=p, k_cache=p, v_cache=p, block_tables="*i32", seq_lens="*i32", out=p,
+            yield f"paged_decode(splits={splits}) over {cache}", paged_decode_kernel._decode_kernel, (
+                dict(query=p, k_cache=c, v_cache=c, block_tables="*i32", seq_lens="*i32", out=p,
                      part_out="*fp32", part_ml="*fp32"),
                 dict(qk_scale="fp32", window=i32, num_splits=i32, stride_qb=i32, stride_qh=i32, stride_bt=i32,
                      stride_ob=i32, stride_oh=i32),
                 dict(GROUP=group, KV_HEADS=4, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=head_dim,
                      BLOCK_N=64, PARTITION=512, SPLIT=splits > 1, PRECISION=precision))
-        yield "merge_splits", paged_decode_kernel._merge_splits_kernel, (
-            dict(part_out="*fp32", part_ml="*fp32", out=p), dict(stride_ob=i32, stride_oh=i32, num_splits=i32),
-            dict(HEADS=4 * group, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_S=8))
-        yield "varlen_prefill", varlen_prefill_kernel._prefill_kernel, (
-            dict(query=p, key=p, value=p, k_cache=p, v_cache=p, cu_seqlens_q="*i32", prefix_lens="*i32",
+        if cache == dtype:  # merge_splits reads no cache
+            yield "merge_splits", paged_decode_kernel._merge_splits_kernel, (
+                dict(part_out="*fp32", part_ml="*fp32", out=p), dict(stride_ob=i32, stride_oh=i32, num_splits=i32),
+                dict(HEADS=4 * group, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_S=8))
+        yield f"varlen_prefill over {cache}", varlen_prefill_kernel._prefill_kernel, (
+            dict(query=p, key=p, value=p, k_cache=c, v_cache=c, cu_seqlens_q="*i32", prefix_lens="*i32",
                  block_tables="*i32", out=p),
             dict(qk_scale="fp32", window=i32, **{f"stride_{s}": i32 for s in
                                                   ("qt", "qh", "kt", "kh", "vt", "vh", "bt", "ot", "oh")}),

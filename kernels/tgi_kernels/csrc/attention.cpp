@@ -4,6 +4,7 @@
 // runs SDPA with a mask: at 32 sequences of 192 tokens (SmolLM2, bf16) it
 // took ~1.1 ms a layer, this ~0.1 ms.
 #include "common.h"
+#include "fp8.h"
 #include "vec.h"
 
 #include <cmath>
@@ -39,9 +40,10 @@ inline A online_softmax(A* s, int64_t n, A& m, A& l) {
 // its K/V rows once, block by block, with an online softmax; each row is
 // widened to acc_t once for all G heads. Everything is on the stack (G <= 16,
 // D <= 256, block_size <= 256: checked by the caller). kD: the head dim as a
-// compile-time constant (64 and 128, where the loops unroll), or 0.
-template <typename T, int64_t kD>
-void decode_one(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride, int64_t token_stride,
+// compile-time constant (64 and 128, where the loops unroll), or 0. C: the
+// cache's element type (T, or fp8: fp8.h).
+template <typename T, typename C, int64_t kD>
+void decode_one(const T* q, const C* k_cache, const C* v_cache, int64_t block_stride, int64_t token_stride,
                 const int32_t* table, int64_t block_size, int64_t first, int64_t last, int64_t G,
                 int64_t head_dim, double scale, double softcap, T* out) {
   using A = acc_t<T>;
@@ -60,10 +62,10 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, int64_t block_st
   for (int64_t start = first - first % block_size; start < last; start += block_size) {
     const int64_t block = table[start / block_size];
     const int64_t t0 = std::max(start, first), n = std::min(start + block_size, last) - t0;
-    const T* kb = k_cache + block * block_stride + (t0 - start) * token_stride;
-    const T* vb = v_cache + block * block_stride + (t0 - start) * token_stride;
+    const C* kb = k_cache + block * block_stride + (t0 - start) * token_stride;
+    const C* vb = v_cache + block * block_stride + (t0 - start) * token_stride;
     for (int64_t t = 0; t < n; ++t) {
-      const T* kr = kb + t * token_stride;
+      const C* kr = kb + t * token_stride;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) row[d] = ld(kr[d]);
       for (int64_t g = 0; g < G; ++g) {
@@ -81,7 +83,7 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, int64_t block_st
       for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
     }
     for (int64_t t = 0; t < n; ++t) {
-      const T* vr = vb + t * token_stride;
+      const C* vr = vb + t * token_stride;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) row[d] = ld(vr[d]);
       for (int64_t g = 0; g < G; ++g) {
@@ -107,12 +109,12 @@ struct Rows {
 // decode_one over hp consecutive kv heads of one sequence (the plain path
 // always gets hp = 1): the signature decode_heads_vec shares. `after`: the
 // first chunk of the thread's next work item (decode_heads_vec prefetches it).
-template <typename T, int64_t kD>
-void decode_heads(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride, int64_t token_stride,
+template <typename T, typename C, int64_t kD>
+void decode_heads(const T* q, const C* k_cache, const C* v_cache, int64_t block_stride, int64_t token_stride,
                   const int32_t* table, int64_t block_size, int64_t first, int64_t last, int64_t hp, int64_t G,
                   int64_t head_dim, double scale, double softcap, T* out, const Rows& /*after*/) {
   for (int64_t i = 0; i < hp; ++i)
-    decode_one<T, kD>(q + i * G * head_dim, k_cache + i * head_dim, v_cache + i * head_dim, block_stride,
+    decode_one<T, C, kD>(q + i * G * head_dim, k_cache + i * head_dim, v_cache + i * head_dim, block_stride,
                       token_stride, table, block_size, first, last, G, head_dim, scale, softcap,
                       out + i * G * head_dim);
 }
@@ -128,12 +130,12 @@ void decode_heads(const T* q, const T* k_cache, const T* v_cache, int64_t block_
 // 1,024 tokens) this took 1.3-1.6x less time than decode_one a kv head.
 constexpr int64_t kChunk = 16, kMaxRow = 1024;  // floats of one token's hp heads
 
-template <typename T, int64_t kD>
-void decode_heads_vec(const T* q, const T* k_cache, const T* v_cache, int64_t block_stride, int64_t token_stride,
+template <typename T, typename C, int64_t kD>
+void decode_heads_vec(const T* q, const C* k_cache, const C* v_cache, int64_t block_stride, int64_t token_stride,
                       const int32_t* table, int64_t block_size, int64_t first, int64_t last, int64_t hp, int64_t G,
                       int64_t head_dim, double scale, double softcap, T* out, const Rows& after) {
   using namespace vec;
-  constexpr bool kFloat = std::is_same_v<T, float>;
+  constexpr bool kFloat = std::is_same_v<C, float>;  // rows read in place, not widened
   const int64_t D = kD ? kD : head_dim, nj = D / kWidth, QH = hp * G, row = hp * D;
   alignas(64) float qf[kMaxGroup * kMaxHeadDim], acc[kMaxGroup * kMaxHeadDim];
   alignas(64) float kbuf[kFloat ? 1 : kChunk * kMaxRow], vbuf[kFloat ? 1 : kChunk * kMaxRow];
@@ -151,8 +153,8 @@ void decode_heads_vec(const T* q, const T* k_cache, const T* v_cache, int64_t bl
   for (int64_t t0 = first; t0 < last;) {
     const int64_t block = table[t0 / block_size], offset = t0 % block_size;
     const int64_t n = std::min({kChunk, block_size - offset, last - t0});
-    const T* kb = k_cache + block * block_stride + offset * token_stride;
-    const T* vb = v_cache + block * block_stride + offset * token_stride;
+    const C* kb = k_cache + block * block_stride + offset * token_stride;
+    const C* vb = v_cache + block * block_stride + offset * token_stride;
     // The next chunk's block is anywhere in the cache, where the hardware
     // prefetcher cannot follow: its rows (first token's onward, one line
     // each 64 bytes) are asked for while this chunk computes, a share
@@ -162,7 +164,7 @@ void decode_heads_vec(const T* q, const T* k_cache, const T* v_cache, int64_t bl
     Rows ahead = after;
     if (t0 + n < last) {
       const int64_t next = t0 + n, nblock = table[next / block_size], noff = next % block_size;
-      ahead.lines = (std::min({kChunk, block_size - noff, last - next}) * token_stride * int64_t(sizeof(T)) + 63) / 64;
+      ahead.lines = (std::min({kChunk, block_size - noff, last - next}) * token_stride * int64_t(sizeof(C)) + 63) / 64;
       ahead.k = reinterpret_cast<const char*>(k_cache + nblock * block_stride + noff * token_stride);
       ahead.v = reinterpret_cast<const char*>(v_cache + nblock * block_stride + noff * token_stride);
     }
@@ -171,14 +173,10 @@ void decode_heads_vec(const T* q, const T* k_cache, const T* v_cache, int64_t bl
         krow[t] = kb + t * token_stride;
         vrow[t] = vb + t * token_stride;
       } else {
-        const T* kr = kb + t * token_stride;
-        const T* vr = vb + t * token_stride;
         float* kw = kbuf + t * row;
         float* vw = vbuf + t * row;
-#pragma omp simd
-        for (int64_t d = 0; d < row; ++d) kw[d] = ld(kr[d]);
-#pragma omp simd
-        for (int64_t d = 0; d < row; ++d) vw[d] = ld(vr[d]);
+        widen(kb + t * token_stride, kw, row);
+        widen(vb + t * token_stride, vw, row);
         krow[t] = kw;
         vrow[t] = vw;
       }
@@ -265,10 +263,11 @@ void decode_heads_vec(const T* q, const T* k_cache, const T* v_cache, int64_t bl
 #endif
 
 // One token of rotary_store_kv: x [H + 2 KVH, D] rotated in place for the
-// first H + KVH heads; its key and value heads copied to the token's slots.
-template <typename T>
-void rotary_store_row(T* x, const T* c, const T* s, int64_t num_heads, int64_t KVH, int64_t D, T* k_slot,
-                      T* v_slot) {
+// first H + KVH heads; its key and value heads written to the token's slots
+// (divided by their scales and rounded where C is fp8).
+template <typename T, typename C>
+void rotary_store_row(T* x, const T* c, const T* s, int64_t num_heads, int64_t KVH, int64_t D, C* k_slot,
+                      C* v_slot, float k_inv_scale, float v_inv_scale) {
   using A = acc_t<T>;
   const int64_t half = D / 2;
   A row[512];  // head_dim <= 512, checked by the caller
@@ -282,17 +281,19 @@ void rotary_store_row(T* x, const T* c, const T* s, int64_t num_heads, int64_t K
     }
   }
   const T* k = x + num_heads * D;
-  std::copy(k, k + KVH * D, k_slot);
-  std::copy(k + KVH * D, k + 2 * KVH * D, v_slot);
+  narrow(k, k_slot, KVH * D, k_inv_scale);
+  narrow(k + KVH * D, v_slot, KVH * D, v_inv_scale);
 }
 
 }  // namespace
 
 // query [B, H, D] (rows may be strided, heads and dims contiguous);
 // k_cache/v_cache [num_blocks, block_size, KVH, D] contiguous, holding the
-// current token; block_tables [B, W] int32; seq_lens [B] int32 counting the
-// current token. Query b sits at seq_lens[b] - 1 and sees keys j with
-// seq_lens[b] - window <= j (window > 0) and j < seq_lens[b]. softcap > 0
+// current token, in query's dtype or fp8 (read as its float value: the
+// caller folds any cache scale into `scale` and the output); block_tables
+// [B, W] int32; seq_lens [B] int32 counting the current token. Query b sits
+// at seq_lens[b] - 1 and sees keys j with seq_lens[b] - window <= j
+// (window > 0) and j < seq_lens[b]. softcap > 0
 // (gemma2): each scaled score s becomes softcap * tanh(s / softcap). -> [B, H, D].
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
@@ -301,8 +302,7 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
               "query must be [B, H, D] with contiguous heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
               k_cache.sizes() == v_cache.sizes(), "caches must be contiguous [num_blocks, block_size, KVH, D]");
-  TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() && v_cache.scalar_type() == query.scalar_type(),
-              "caches must be in the query's dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
               block_tables.is_contiguous() && seq_lens.is_contiguous(), "block_tables and seq_lens must be int32");
   const int64_t B = query.size(0), H = query.size(1), D = query.size(2);
@@ -317,48 +317,52 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
   int64_t work = 0;  // key rows read, all sequences
   for (int64_t b = 0; b < B; ++b) work += lens[b];
   TGI_DISPATCH(query.scalar_type(), "paged_decode", [&] {
-    const scalar_t* qp = query.const_data_ptr<scalar_t>();
-    const scalar_t* kp = k_cache.const_data_ptr<scalar_t>();
-    const scalar_t* vp = v_cache.const_data_ptr<scalar_t>();
-    scalar_t* op = out.mutable_data_ptr<scalar_t>();
-    // Few keys in all: stay on this thread rather than wake the pool.
-    const bool small = work * H * D < (1 << 17);
-    // Work items of hp kv heads of one sequence: the plain kernel takes one,
-    // the vector kernel as many as its stack buffers hold (hp * G query
-    // heads, hp * D floats a token).
-    int64_t hp = 1;
-    auto one = D == 64 ? decode_heads<scalar_t, 64> : D == 128 ? decode_heads<scalar_t, 128> : decode_heads<scalar_t, 0>;
+    dispatch_cache<scalar_t>(k_cache.scalar_type(), [&](auto cache_tag) {
+      using C = decltype(cache_tag);
+      const scalar_t* qp = query.const_data_ptr<scalar_t>();
+      const C* kp = static_cast<const C*>(k_cache.const_data_ptr());
+      const C* vp = static_cast<const C*>(v_cache.const_data_ptr());
+      scalar_t* op = out.mutable_data_ptr<scalar_t>();
+      // Few keys in all: stay on this thread rather than wake the pool.
+      const bool small = work * H * D < (1 << 17);
+      // Work items of hp kv heads of one sequence: the plain kernel takes one,
+      // the vector kernel as many as its stack buffers hold (hp * G query
+      // heads, hp * D floats a token).
+      int64_t hp = 1;
+      auto one = D == 64 ? decode_heads<scalar_t, C, 64>
+               : D == 128 ? decode_heads<scalar_t, C, 128> : decode_heads<scalar_t, C, 0>;
 #if TGI_VEC
-    if constexpr (!std::is_same_v<scalar_t, double>) {
-      if (D % vec::kWidth == 0) {
-        hp = std::max<int64_t>(1, std::min({KVH, kMaxGroup / G, kMaxRow / D}));
-        while (KVH % hp) --hp;
-        one = D == 64 ? decode_heads_vec<scalar_t, 64>
-            : D == 128 ? decode_heads_vec<scalar_t, 128> : decode_heads_vec<scalar_t, 0>;
-      }
-    }
-#endif
-    const int64_t parts = KVH / hp;
-    at::parallel_for(0, B * parts, small ? B * parts : 1, [&](int64_t begin, int64_t end) {
-      auto first_key = [&](int64_t b) {
-        return sliding_window > 0 ? std::max<int64_t>(0, lens[b] - sliding_window) : int64_t(0);
-      };
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / parts, h = (i % parts) * hp;
-        Rows after;
-        if (i + 1 < end) {
-          const int64_t nb = (i + 1) / parts, nh = ((i + 1) % parts) * hp, nf = first_key(nb);
-          const int64_t offset = (int64_t(tables[nb * width + nf / block_size]) * block_size + nf % block_size) * KVH * D
-                                 + nh * D;
-          // its first chunk: up to 16 tokens (decode_heads_vec's kChunk) within its first block
-          const int64_t tokens = std::min<int64_t>({16, block_size - nf % block_size, lens[nb] - nf});
-          after = {reinterpret_cast<const char*>(kp + offset), reinterpret_cast<const char*>(vp + offset),
-                   (((tokens - 1) * KVH * D + hp * D) * int64_t(sizeof(scalar_t)) + 63) / 64};
+      if constexpr (!std::is_same_v<scalar_t, double>) {
+        if (D % vec::kWidth == 0) {
+          hp = std::max<int64_t>(1, std::min({KVH, kMaxGroup / G, kMaxRow / D}));
+          while (KVH % hp) --hp;
+          one = D == 64 ? decode_heads_vec<scalar_t, C, 64>
+              : D == 128 ? decode_heads_vec<scalar_t, C, 128> : decode_heads_vec<scalar_t, C, 0>;
         }
-        one(qp + b * query.stride(0) + h * G * D, kp + h * D, vp + h * D, block_size * KVH * D, KVH * D,
-            tables + b * width, block_size, first_key(b), lens[b], hp, G, D, scale, softcap, op + (b * H + h * G) * D,
-            after);
       }
+#endif
+      const int64_t parts = KVH / hp;
+      at::parallel_for(0, B * parts, small ? B * parts : 1, [&](int64_t begin, int64_t end) {
+        auto first_key = [&](int64_t b) {
+          return sliding_window > 0 ? std::max<int64_t>(0, lens[b] - sliding_window) : int64_t(0);
+        };
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t b = i / parts, h = (i % parts) * hp;
+          Rows after;
+          if (i + 1 < end) {
+            const int64_t nb = (i + 1) / parts, nh = ((i + 1) % parts) * hp, nf = first_key(nb);
+            const int64_t offset = (int64_t(tables[nb * width + nf / block_size]) * block_size + nf % block_size) * KVH * D
+                                   + nh * D;
+            // its first chunk: up to 16 tokens (decode_heads_vec's kChunk) within its first block
+            const int64_t tokens = std::min<int64_t>({16, block_size - nf % block_size, lens[nb] - nf});
+            after = {reinterpret_cast<const char*>(kp + offset), reinterpret_cast<const char*>(vp + offset),
+                     (((tokens - 1) * KVH * D + hp * D) * int64_t(sizeof(C)) + 63) / 64};
+          }
+          one(qp + b * query.stride(0) + h * G * D, kp + h * D, vp + h * D, block_size * KVH * D, KVH * D,
+              tables + b * width, block_size, first_key(b), lens[b], hp, G, D, scale, softcap, op + (b * H + h * G) * D,
+              after);
+        }
+      });
     });
   });
   return out;
@@ -368,17 +372,23 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
 // (Hugging Face's rotate-half: x * cos + roll(x, D/2) * signed_sin, with
 // cos/signed_sin [T, D] as RotaryEmbedding.cos_sin gives them), then writes
 // each token's key and value heads into k_cache/v_cache
-// [num_blocks, block_size, KVH, D] at slot_mapping [T] int64.
+// [num_blocks, block_size, KVH, D] at slot_mapping [T] int64. Caches in
+// fp8 hold key / k_scale and value / v_scale, rounded to nearest even and
+// saturated; caches in qkv's dtype hold them as they are (scales 1).
 void rotary_store_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
-                     at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+                     at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping, double k_scale,
+                     double v_scale) {
   TORCH_CHECK(qkv.is_contiguous() && qkv.dim() == 3, "qkv must be a contiguous [T, H + 2 KVH, D] tensor");
   const int64_t T = qkv.size(0), heads = qkv.size(1), D = qkv.size(2), KVH = (heads - num_heads) / 2;
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D &&
               cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
               "cos/sin must be contiguous [T, D] in qkv's dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) == KVH && k_cache.size(3) == D &&
-              k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
-              "caches must be contiguous [num_blocks, block_size, KVH, D] in qkv's dtype");
+              k_cache.scalar_type() == v_cache.scalar_type(),
+              "caches must be contiguous [num_blocks, block_size, KVH, D] of one dtype");
+  TORCH_CHECK(k_scale > 0 && v_scale > 0 &&
+              (k_cache.scalar_type() != qkv.scalar_type() || (k_scale == 1 && v_scale == 1)),
+              "KV scales must be positive, and 1 unless the cache is fp8");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T && slot_mapping.is_contiguous(),
               "slot_mapping must be [T] int64");
   TORCH_CHECK(D <= 512 && D % 2 == 0, "head_dim must be even and at most 512");
@@ -386,15 +396,19 @@ void rotary_store_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
   const int64_t* sp = slot_mapping.const_data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < slots, "slot out of range");
   TGI_DISPATCH(qkv.scalar_type(), "rotary_store_kv", [&] {
-    scalar_t* x = qkv.mutable_data_ptr<scalar_t>();
-    const scalar_t* cp = cos.const_data_ptr<scalar_t>();
-    const scalar_t* sn = sin.const_data_ptr<scalar_t>();
-    scalar_t* kc = k_cache.mutable_data_ptr<scalar_t>();
-    scalar_t* vc = v_cache.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, T, grain_rows(heads * D), [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t)
-        rotary_store_row(x + t * heads * D, cp + t * D, sn + t * D, num_heads, KVH, D, kc + sp[t] * KVH * D,
-                         vc + sp[t] * KVH * D);
+    dispatch_cache<scalar_t>(k_cache.scalar_type(), [&](auto cache_tag) {
+      using C = decltype(cache_tag);
+      scalar_t* x = qkv.mutable_data_ptr<scalar_t>();
+      const scalar_t* cp = cos.const_data_ptr<scalar_t>();
+      const scalar_t* sn = sin.const_data_ptr<scalar_t>();
+      C* kc = static_cast<C*>(k_cache.mutable_data_ptr());
+      C* vc = static_cast<C*>(v_cache.mutable_data_ptr());
+      const float k_inv = float(1.0 / k_scale), v_inv = float(1.0 / v_scale);
+      at::parallel_for(0, T, grain_rows(heads * D), [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t)
+          rotary_store_row(x + t * heads * D, cp + t * D, sn + t * D, num_heads, KVH, D, kc + sp[t] * KVH * D,
+                           vc + sp[t] * KVH * D, k_inv, v_inv);
+      });
     });
   });
 }
@@ -405,7 +419,7 @@ TORCH_LIBRARY_FRAGMENT(tgi, m) {
   m.def("paged_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "float scale, int sliding_window, float softcap=0.0) -> Tensor");
   m.def("rotary_store_kv(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, Tensor(b!) k_cache, "
-        "Tensor(c!) v_cache, Tensor slot_mapping) -> ()");
+        "Tensor(c!) v_cache, Tensor slot_mapping, float k_scale=1.0, float v_scale=1.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tgi, CPU, m) {

@@ -13,6 +13,7 @@
 // each probability over a value row. The G query heads of the kv head share
 // each key/value row, widened to float once per tile.
 #include "common.h"
+#include "fp8.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -29,10 +30,12 @@ constexpr int64_t kKeys = kWidth;  // keys a chunk: kKeys accumulators (16 zmm /
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // One sequence's keys of one kv head: positions < prefix in its blocks of
-// the cache, the others in the step's key/value rows (row = position - prefix).
-template <typename T>
+// the cache (elements C: T or fp8), the others in the step's key/value rows
+// (row = position - prefix).
+template <typename T, typename C>
 struct Keys {
-  const T *k_cache, *v_cache, *key, *value;
+  const C *k_cache, *v_cache;
+  const T *key, *value;
   int64_t block_stride, token_stride, key_stride, value_stride, block_size, prefix;
   const int32_t* table;
 
@@ -42,13 +45,16 @@ struct Keys {
     const int64_t end = t0 < prefix ? std::min(prefix, t0 - t0 % block_size + block_size) : last;
     return std::min({kKeys, end - t0, last - t0});
   }
-  const T* k_row(int64_t t) const {
-    return t < prefix ? k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride
-                      : key + (t - prefix) * key_stride;
-  }
-  const T* v_row(int64_t t) const {
-    return t < prefix ? v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride
-                      : value + (t - prefix) * value_stride;
+  // The key and value of position t as floats: D each into kw and vw.
+  void widen_row(int64_t t, int64_t D, float* kw, float* vw) const {
+    if (t < prefix) {
+      const int64_t at = table[t / block_size] * block_stride + (t % block_size) * token_stride;
+      widen(k_cache + at, kw, D);
+      widen(v_cache + at, vw, D);
+    } else {
+      widen(key + (t - prefix) * key_stride, kw, D);
+      widen(value + (t - prefix) * value_stride, vw, D);
+    }
   }
 };
 
@@ -58,8 +64,8 @@ inline int64_t scratch_floats(int64_t G, int64_t D) { return 2 * G * D * kRows +
 // One tile: `rows` (<= kRows) query rows at positions pos0.., the G query
 // heads of one kv head. q: the tile's first row at the kv head's first query
 // head, rows q_stride apart; out likewise ([rows, G, D] at out_stride).
-template <typename T, int64_t kD>
-void prefill_tile(const T* q, int64_t q_stride, const Keys<T>& keys, int64_t pos0, int64_t rows, int64_t window,
+template <typename T, typename C, int64_t kD>
+void prefill_tile(const T* q, int64_t q_stride, const Keys<T, C>& keys, int64_t pos0, int64_t rows, int64_t window,
                   int64_t G, int64_t head_dim, float scale, float softcap, T* out, int64_t out_stride,
                   float* scratch) {
   const int64_t D = kD ? kD : head_dim, nj = D / kWidth;
@@ -92,12 +98,7 @@ void prefill_tile(const T* q, int64_t q_stride, const Keys<T>& keys, int64_t pos
       float* kw = kf + t * D;
       float* vw = vf + t * D;
       if (t < n) {
-        const T* kr = keys.k_row(t0 + t);
-        const T* vr = keys.v_row(t0 + t);
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) kw[d] = ld(kr[d]);
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) vw[d] = ld(vr[d]);
+        keys.widen_row(t0 + t, D, kw, vw);
       } else {
         std::fill(kw, kw + D, 0.0f);
         std::fill(vw, vw + D, 0.0f);
@@ -194,8 +195,10 @@ void prefill_tile(const T* q, int64_t q_stride, const Keys<T>& keys, int64_t pos
 // dims contiguous): the step's prefill chunks packed, sequence b owning rows
 // cu_seqlens_q[b] .. cu_seqlens_q[b + 1] at positions prefix_lens[b] + i;
 // its keys < prefix_lens[b] are read from k_cache/v_cache [num_blocks,
-// block_size, KVH, D] through block_tables [B, W] int32, the others from
-// key/value. A query at p sees keys j with p - window < j <= p (window > 0)
+// block_size, KVH, D] (query's dtype, or fp8 read as its float value: the
+// caller folds any cache scale into `scale`, key, value and the output)
+// through block_tables [B, W] int32, the others from key/value. A query at
+// p sees keys j with p - window < j <= p (window > 0)
 // or j <= p. -> out [T, H, D] contiguous.
 at::Tensor varlen_prefill(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                           const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -207,8 +210,9 @@ at::Tensor varlen_prefill(const at::Tensor& query, const at::Tensor& key, const 
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
               k_cache.sizes() == v_cache.sizes(), "caches must be contiguous [num_blocks, block_size, KVH, D]");
   const auto dtype = query.scalar_type();
-  TORCH_CHECK(key.scalar_type() == dtype && value.scalar_type() == dtype && k_cache.scalar_type() == dtype &&
-              v_cache.scalar_type() == dtype, "query, key, value and caches must share a dtype");
+  TORCH_CHECK(key.scalar_type() == dtype && value.scalar_type() == dtype &&
+              v_cache.scalar_type() == k_cache.scalar_type(),
+              "query, key and value must share a dtype, and the two caches one");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2 &&
               cu_seqlens_q.scalar_type() == at::kInt && cu_seqlens_q.is_contiguous() &&
               prefix_lens.scalar_type() == at::kInt && prefix_lens.is_contiguous(),
@@ -246,30 +250,34 @@ at::Tensor varlen_prefill(const at::Tensor& query, const at::Tensor& key, const 
     if constexpr (std::is_same_v<scalar_t, double>) {
       TORCH_CHECK(false, "varlen_prefill runs float32, bfloat16 and float16");
     } else {
-      const scalar_t* qp = query.const_data_ptr<scalar_t>();
-      const scalar_t* kp = key.const_data_ptr<scalar_t>();
-      const scalar_t* vp = value.const_data_ptr<scalar_t>();
-      const scalar_t* kc = k_cache.const_data_ptr<scalar_t>();
-      const scalar_t* vc = v_cache.const_data_ptr<scalar_t>();
-      const int32_t* tables = block_tables.const_data_ptr<int32_t>();
-      scalar_t* op = out.mutable_data_ptr<scalar_t>();
-      auto one = D == 64 ? prefill_tile<scalar_t, 64> : D == 128 ? prefill_tile<scalar_t, 128> : prefill_tile<scalar_t, 0>;
-      // Little work in all (a few short chunks): stay on this thread rather than wake the pool.
-      const int64_t threads = work * G * D < (1 << 16) ? 1 : std::min<int64_t>(at::get_num_threads(), tiles.size());
-      at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scratch(scratch_floats(G, D));
-        for (int64_t worker = begin; worker < end; ++worker)
-          for (size_t i = worker; i < tiles.size(); i += threads) {
-            const Tile& tile = tiles[i];
-            const int64_t b = tile.seq, h = tile.head, row = cu[b] + tile.row0;
-            const Keys<scalar_t> keys{kc + h * D, vc + h * D, kp + cu[b] * key.stride(0) + h * D,
-                                      vp + cu[b] * value.stride(0) + h * D, block_size * KVH * D, KVH * D,
-                                      key.stride(0), value.stride(0), block_size, prefix[b], tables + b * width};
-            const int64_t rows = std::min<int64_t>(kRows, cu[b + 1] - row);
-            one(qp + row * query.stride(0) + h * G * D, query.stride(0), keys, prefix[b] + tile.row0, rows,
-                sliding_window, G, D, float(scale), float(softcap), op + (row * H + h * G) * D, H * D,
-                scratch.data());
-          }
+      dispatch_cache<scalar_t>(k_cache.scalar_type(), [&](auto cache_tag) {
+        using C = decltype(cache_tag);
+        const scalar_t* qp = query.const_data_ptr<scalar_t>();
+        const scalar_t* kp = key.const_data_ptr<scalar_t>();
+        const scalar_t* vp = value.const_data_ptr<scalar_t>();
+        const C* kc = static_cast<const C*>(k_cache.const_data_ptr());
+        const C* vc = static_cast<const C*>(v_cache.const_data_ptr());
+        const int32_t* tables = block_tables.const_data_ptr<int32_t>();
+        scalar_t* op = out.mutable_data_ptr<scalar_t>();
+        auto one = D == 64 ? prefill_tile<scalar_t, C, 64>
+                 : D == 128 ? prefill_tile<scalar_t, C, 128> : prefill_tile<scalar_t, C, 0>;
+        // Little work in all (a few short chunks): stay on this thread rather than wake the pool.
+        const int64_t threads = work * G * D < (1 << 16) ? 1 : std::min<int64_t>(at::get_num_threads(), tiles.size());
+        at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+          std::vector<float> scratch(scratch_floats(G, D));
+          for (int64_t worker = begin; worker < end; ++worker)
+            for (size_t i = worker; i < tiles.size(); i += threads) {
+              const Tile& tile = tiles[i];
+              const int64_t b = tile.seq, h = tile.head, row = cu[b] + tile.row0;
+              const Keys<scalar_t, C> keys{kc + h * D, vc + h * D, kp + cu[b] * key.stride(0) + h * D,
+                                           vp + cu[b] * value.stride(0) + h * D, block_size * KVH * D, KVH * D,
+                                           key.stride(0), value.stride(0), block_size, prefix[b], tables + b * width};
+              const int64_t rows = std::min<int64_t>(kRows, cu[b + 1] - row);
+              one(qp + row * query.stride(0) + h * G * D, query.stride(0), keys, prefix[b] + tile.row0, rows,
+                  sliding_window, G, D, float(scale), float(softcap), op + (row * H + h * G) * D, H * D,
+                  scratch.data());
+            }
+        });
       });
     }
   });

@@ -47,9 +47,9 @@ def _kernel(name: str) -> ModuleType:
     return importlib.import_module(f"{__name__}.{name}")
 
 
-def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """See tgi_kernels.store_kv; negative slots are skipped."""
-    _kernel("store_kv_kernel").store_kv(key, value, k_cache, v_cache, slot_mapping)
+    _kernel("store_kv_kernel").store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def _no_softcap(softcap: float) -> None:

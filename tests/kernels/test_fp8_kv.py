@@ -1,0 +1,131 @@
+"""float8 KV caches: every backend that reads them (FP8_KV_BACKENDS) gives
+the reference's attention over the same cache widened to the query's dtype,
+and the stores write what to_cache_dtype says (scaled, saturated)."""
+
+import pytest
+import torch
+
+from .kernel_cases import make_case, make_decode_case
+from tgi_kernels import (FP8_KV_BACKENDS, FP8_KV_DTYPES, available_backends, paged_decode, rotary_store_kv,
+                         store_kv, varlen_prefill)
+from tgi_kernels.fp8 import to_cache_dtype
+
+CPU = torch.device("cpu")
+# triton's interpreter runs its own fp8 case below (too slow for the product)
+BACKENDS = [b for b in available_backends(CPU) if b in FP8_KV_BACKENDS and b != "triton"]
+FP8 = pytest.mark.parametrize("fp8", FP8_KV_DTYPES, ids=["e4m3fn", "e5m2"])
+QUERY_DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
+
+
+def _fp8_caches(case, fp8):
+    """The case's caches in fp8, and the same values widened back to the query's dtype."""
+    k8, v8 = to_cache_dtype(case.k_cache, fp8), to_cache_dtype(case.v_cache, fp8)
+    return (k8, v8), (k8.to(case.query.dtype), v8.to(case.query.dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("group, head_dim", [(3, 64), (2, 128)])
+@pytest.mark.parametrize("sliding_window", [0, 6])
+@FP8
+@QUERY_DTYPES
+def test_decode_reads_fp8_cache_as_its_values(backend, group, head_dim, sliding_window, fp8, dtype):
+    case = make_decode_case([1, 3, 16, 17, 40], heads=2 * group, kv_heads=2, head_dim=head_dim, block_size=16,
+                            dtype=dtype, seed=head_dim)
+    (k8, v8), (kw, vw) = _fp8_caches(case, fp8)
+    want = paged_decode(case.query, kw, vw, case.decode, 0.2, sliding_window, backend="reference")
+    got = paged_decode(case.query, k8, v8, case.decode, 0.2, sliding_window, backend=backend)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("group, head_dim", [(3, 64), (2, 128)])
+@pytest.mark.parametrize("sliding_window", [0, 6])
+@FP8
+@QUERY_DTYPES
+def test_prefill_reads_fp8_prefix_as_its_values(backend, group, head_dim, sliding_window, fp8, dtype):
+    case = make_case([5, 20, 1], [3, 17, 40], heads=2 * group, kv_heads=2, head_dim=head_dim, block_size=16,
+                     dtype=dtype, seed=head_dim + 1)
+    (k8, v8), (kw, vw) = _fp8_caches(case, fp8)
+    args = (case.query, case.key, case.value)
+    want = varlen_prefill(*args, kw, vw, case.prefill, 0.2, sliding_window, backend="reference")
+    got = varlen_prefill(*args, k8, v8, case.prefill, 0.2, sliding_window, backend=backend)
+    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+
+
+def test_fp8_cache_reads_differ_from_the_float_cache():
+    """The fp8 decode sees the rounded cache, not a float copy kept somewhere."""
+    case = make_decode_case([40], heads=6, kv_heads=2, head_dim=64, block_size=16)
+    k8, v8 = to_cache_dtype(case.k_cache, torch.float8_e5m2), to_cache_dtype(case.v_cache, torch.float8_e5m2)
+    for backend in BACKENDS:
+        exact = paged_decode(case.query, case.k_cache, case.v_cache, case.decode, 0.2, backend=backend)
+        rounded = paged_decode(case.query, k8, v8, case.decode, 0.2, backend=backend)
+        assert 1e-3 < (rounded - exact).abs().max() < 0.2, backend
+
+
+@FP8
+def test_to_cache_dtype_scales_and_saturates(fp8):
+    top = torch.finfo(fp8).max
+    x = torch.tensor([0.0, 1.0, -3.0, top * 4, -top * 4, 1e30])
+    stored = to_cache_dtype(x, fp8, scale=2.0).float()
+    assert stored.isfinite().all()
+    assert stored.tolist() == [0.0, 0.5, -1.5, top, -top, top]
+
+
+@pytest.mark.parametrize("backend", ["sdpa"] + (["triton"] if "triton" in available_backends(CPU) else []))
+@FP8
+def test_store_kv_writes_scaled_fp8(backend, fp8):
+    """Values whose quotients by the scales are fp8 numbers, and some past the
+    range: Triton's interpreter rounds float to fp8 wrongly where the
+    mantissa carries (7.75 -> 4.0; a GPU rounds in hardware), so what is
+    checked here is the scaling, saturation and slots, not the rounding."""
+    gen = torch.Generator().manual_seed(0)
+    exact = to_cache_dtype(torch.randn(2, 5, 2, 64, generator=gen) * 3, fp8).float()
+    exact[:, 0, 0, :4] = torch.tensor([1e6, -1e6, 1e30, -1e30])
+    key, value = exact[0] * 0.5, exact[1] * 4.0
+    k_cache, v_cache = torch.zeros(4, 4, 2, 64, dtype=fp8), torch.zeros(4, 4, 2, 64, dtype=fp8)
+    slots = torch.tensor([0, 5, 6, 11, 15])
+    store_kv(key, value, k_cache, v_cache, slots, backend, k_scale=0.5, v_scale=4.0)
+    k_flat, v_flat = k_cache.view(-1, 2, 64), v_cache.view(-1, 2, 64)
+    assert torch.equal(k_flat[slots].view(torch.uint8), to_cache_dtype(key, fp8, 0.5).view(torch.uint8))
+    assert torch.equal(v_flat[slots].view(torch.uint8), to_cache_dtype(value, fp8, 4.0).view(torch.uint8))
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the C++ kernels did not build here")
+@FP8
+@QUERY_DTYPES
+def test_rotary_store_kv_writes_what_the_float_cache_holds_in_fp8(fp8, dtype):
+    """The fused rotary + store into fp8 equals the fused store into a cache
+    of qkv's dtype, then to_cache_dtype: the same rotation, the same rounding."""
+    gen = torch.Generator().manual_seed(1)
+    tokens, heads, kv_heads, dim = 7, 6, 2, 64
+    qkv = (torch.randn(tokens, heads + 2 * kv_heads, dim, generator=gen) * 4).to(dtype)
+    angle = torch.randn(tokens, 1, dim // 2, generator=gen)
+    cos = torch.cat([angle.cos(), angle.cos()], -1).to(dtype)
+    sin = torch.cat([-angle.sin(), angle.sin()], -1).to(dtype)
+    slots = torch.tensor([3, 0, 9, 12, 4, 1, 15])
+    k_ref, v_ref = torch.zeros(4, 4, kv_heads, dim, dtype=dtype), torch.zeros(4, 4, kv_heads, dim, dtype=dtype)
+    k8, v8 = torch.zeros(4, 4, kv_heads, dim, dtype=fp8), torch.zeros(4, 4, kv_heads, dim, dtype=fp8)
+    rotated = qkv.clone()
+    rotary_store_kv(rotated, cos, sin, heads, k_ref, v_ref, slots)
+    rotary_store_kv(qkv, cos, sin, heads, k8, v8, slots, k_scale=0.25, v_scale=2.0)
+    assert torch.equal(qkv, rotated)  # the query and key heads rotate as before
+    assert torch.equal(k8.view(torch.uint8), to_cache_dtype(k_ref, fp8, 0.25).view(torch.uint8))
+    assert torch.equal(v8.view(torch.uint8), to_cache_dtype(v_ref, fp8, 2.0).view(torch.uint8))
+
+
+@pytest.mark.skipif("triton" not in available_backends(CPU), reason="triton is not installed")
+@FP8
+def test_triton_reads_fp8_cache_as_its_values(fp8):
+    decode = make_decode_case([3, 17, 40], heads=6, kv_heads=2, head_dim=64, block_size=16, seed=5)
+    (k8, v8), (kw, vw) = _fp8_caches(decode, fp8)
+    want = paged_decode(decode.query, kw, vw, decode.decode, 0.2, 6, backend="reference")
+    got = paged_decode(decode.query, k8, v8, decode.decode, 0.2, 6, backend="triton")
+    torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
+    case = make_case([5, 20], [3, 17], heads=6, kv_heads=2, head_dim=64, block_size=16, seed=6)
+    (k8, v8), (kw, vw) = _fp8_caches(case, fp8)
+    args = (case.query, case.key, case.value)
+    want = varlen_prefill(*args, kw, vw, case.prefill, 0.2, backend="reference")
+    got = varlen_prefill(*args, k8, v8, case.prefill, 0.2, backend="triton")
+    torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
