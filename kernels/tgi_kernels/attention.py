@@ -58,8 +58,9 @@ def available_backends(device: torch.device) -> list[str]:
     return names
 
 
-def select_backend(device: torch.device, forced: str | None = None) -> str:
-    """The backend name to use on `device`: `forced` if given, else the default.
+def select_backend(device: torch.device, forced: str | None = None, fp8_kv: bool = False) -> str:
+    """The backend name to use on `device`: `forced` if given, else the default
+    (fp8_kv: the default among FP8_KV_BACKENDS, for a float8 KV cache).
 
     Raises ValueError, naming the available backends, when `forced` is unknown or
     cannot run on `device`.
@@ -72,7 +73,8 @@ def select_backend(device: torch.device, forced: str | None = None) -> str:
             )
         return forced
     preferred = ("flash_attn", "triton") if torch.device(device).type == "cuda" else ("cpu",)
-    return next((name for name in preferred if name in available), "sdpa")
+    return next((name for name in preferred if name in available and (not fp8_kv or name in FP8_KV_BACKENDS)),
+                "sdpa")
 
 
 def _backend(device: torch.device, name: str | None) -> AttentionBackend:

@@ -26,6 +26,7 @@ QUANTIZE = ("awq", "compressed-tensors", "eetq", "exl2", "gptq", "marlin", "bits
             "bitsandbytes-nf4", "bitsandbytes-fp4", "fp8")
 QUANTIZE_SERVED = ("awq", "eetq", "gptq")    # the rest are TGI's choices we do not implement
 ROPE_SCALINGS = ("linear", "dynamic", "yarn")  # TGI: linear, dynamic; ours: yarn too
+KV_CACHE_DTYPES = ("fp8_e4m3fn", "fp8_e5m2")  # TGI's --kv-cache-dtype values
 
 
 class ConfigError(ValueError):
@@ -78,6 +79,7 @@ class RouterConfig:
     otlp_service_name: str = "text-generation-inference.router"
     watermark_gamma: float | None = None  # None: the shard's default, 0.5 (TGI's)
     watermark_delta: float | None = None  # None: 2.0
+    kv_cache_dtype: str | None = None  # fp8_e4m3fn | fp8_e5m2: float8 KV blocks; None: the model's dtype
     # Ours, not TGI's.
     kv_cache_bytes: int = 0        # KV cache budget passed to each shard; 0: sized at Warmup
     num_threads: int = 0           # torch threads per shard on CPU; 0: torch's default
@@ -190,6 +192,9 @@ _FLAGS = (
     _Flag("rope_scaling", _choice(ROPE_SCALINGS), "RoPE scaling replacing the checkpoint's: linear, dynamic "
           "or yarn (ours), with --rope-factor (default 1.0); the model's length grows by the factor"),
     _Flag("rope_factor", _float, "RoPE scaling factor; alone it means linear scaling"),
+    _Flag("kv_cache_dtype", _choice(KV_CACHE_DTYPES), "KV cache blocks in float8: fp8_e4m3fn or fp8_e5m2, "
+          "twice the tokens in the same memory (per-layer k/v scales from the checkpoint, else 1.0); not with "
+          "the flash_attn backend (default: the model's dtype)"),
     _Flag("lora_adapters", str, "LoRA adapters to serve beside the base model: comma-separated hub ids or "
           "local PEFT directories, or name=path; a request picks one with parameters.adapter_id, or with "
           "`model` on the OpenAI routes"),
@@ -238,7 +243,6 @@ _IGNORED = {
 }
 # TGI flags whose effect we cannot give: refused. name -> why.
 _UNSUPPORTED = {
-    "kv_cache_dtype": "refused: fp8 KV cache blocks are not implemented yet",
     "ngrok": "refused: there is no built-in ngrok tunnel; run ngrok (or any tunnel) beside the server",
 }
 

@@ -44,7 +44,8 @@ def shard_command(config: RouterConfig, rank: int) -> list[str]:
                                      if config.num_shard > 1 else 0)
     for flag, value in (("--dtype", config.dtype), ("--revision", config.revision), ("--quantize", config.quantize),
                         ("--kv-cache-bytes", config.kv_cache_bytes), ("--num-threads", threads),
-                        ("--cuda-graphs", ",".join(map(str, config.cuda_graphs)))):
+                        ("--cuda-graphs", ",".join(map(str, config.cuda_graphs))),
+                        ("--kv-cache-dtype", config.kv_cache_dtype)):
         if value:
             command += [flag, str(value)]
     for flag, value in (("--watermark-gamma", config.watermark_gamma), ("--watermark-delta", config.watermark_delta)):

@@ -15,6 +15,7 @@ from .config import ShardConfig
 
 QUANTIZE_METHODS = ("gptq", "awq", "eetq")  # quant.METHODS, without importing torch to parse flags
 ROPE_SCALINGS = ("linear", "dynamic", "yarn")  # what models/rope_override.py serves
+KV_CACHE_DTYPES = ("fp8_e4m3fn", "fp8_e5m2")  # shard.KV_CACHE_DTYPES' names
 
 log = logging.getLogger("tgi_server")
 
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--lora-adapters", default=os.environ.get("LORA_ADAPTERS") or None,
                        help="LoRA adapters: comma-separated hub ids or local directories, or name=path "
                             "(env LORA_ADAPTERS)")
+    serve.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                       help="float8 KV cache blocks (twice the tokens of 16-bit ones; default: the model's dtype)")
     serve.add_argument("--json-output", action="store_true", help="log JSON lines")
     quantize = sub.add_parser("quantize", help="write a GPTQ or AWQ checkpoint of a float model")
     quantize.add_argument("model_id", help="local directory, .gguf file or hub id in the HF cache")
@@ -109,7 +112,7 @@ def config_from_args(args: argparse.Namespace) -> ShardConfig:
         master_port=int(os.environ.get("MASTER_PORT", "29500")), cuda_graphs=args.cuda_graphs,
         rope=_rope(args.rope_scaling, args.rope_factor), cuda_memory_fraction=_fraction(args.cuda_memory_fraction),
         watermark_gamma=_gamma(args.watermark_gamma), watermark_delta=args.watermark_delta,
-        lora_adapters=args.lora_adapters)
+        lora_adapters=args.lora_adapters, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _gamma(value: float) -> float:

@@ -27,6 +27,7 @@ class ShardConfig:
     watermark_gamma: float = 0.5  # green share of the vocabulary for requests with watermark: true
     watermark_delta: float = 2.0  # bias added to the green logits
     lora_adapters: str | None = None  # --lora-adapters: "id,name=path,..."; None: no adapters
+    kv_cache_dtype: str | None = None  # fp8_e4m3fn | fp8_e5m2: float8 KV blocks; None: the model's dtype
 
     @property
     def socket_path(self) -> str:

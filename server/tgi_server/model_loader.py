@@ -70,8 +70,8 @@ def _cpu_has_bf16() -> bool:
 
 def open_checkpoint(source: ModelSource, dtype: torch.dtype, device: torch.device,
                     quantize: str | None = None, quant_kernel_dtype: torch.dtype | None = None,
-                    rope: tuple[str, float] | None = None,
-                    lora_adapters: str | None = None) -> tuple[ModelConfig, TensorSource]:
+                    rope: tuple[str, float] | None = None, lora_adapters: str | None = None,
+                    kv_scales: bool = False) -> tuple[ModelConfig, TensorSource]:
     """The model's facts and a source of its tensors in (dtype, device); reads
     no weight. `quantize` (gptq | awq | eetq; None: config.json's
     quantization_config, if any) picks how linears load; a GGUF file serves
@@ -80,8 +80,10 @@ def open_checkpoint(source: ModelSource, dtype: torch.dtype, device: torch.devic
     dtype). rope: (scaling, factor) replacing the checkpoint's RoPE scaling
     (models/rope_override.py). lora_adapters: --lora-adapters' list, read
     now (weights/lora_adapters.py) and added by the linears they target.
-    CheckpointError when the checkpoint cannot be served."""
+    kv_scales: attention layers read the checkpoint's KV cache scales (the
+    cache is float8). CheckpointError when the checkpoint cannot be served."""
     config, weights = _open(source, dtype, device, quantize, quant_kernel_dtype, rope)
+    weights.kv_scales = kv_scales
     if lora_adapters:
         weights.lora = AdapterSet(load_adapters(lora_adapters))
     return config, weights

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from tgi_kernels import SOFTCAP_BACKENDS, select_backend
+from tgi_kernels import FP8_KV_BACKENDS, FP8_KV_DTYPES, SOFTCAP_BACKENDS, select_backend
 from tgi_proto import pb
 
 from .batch import StepBatch, build_batch
@@ -38,12 +38,13 @@ class ModelRunner:
     Warmup (CUDA only; ignored elsewhere). memory_fraction: the share of a
     GPU's memory the shard may hold when Warmup sizes the cache itself
     (--cuda-memory-fraction). watermark: gamma and delta for requests that
-    ask for the watermark (None: TGI's defaults)."""
+    ask for the watermark (None: TGI's defaults). kv_cache_dtype: the KV
+    blocks' dtype (a float8 one: --kv-cache-dtype; None: the model's)."""
 
     def __init__(self, loaded: LoadedModel, block_size: int, attention_backend: str | None,
                  kv_cache_bytes: int, grammars: GrammarCompiler | None = None,
                  cuda_graphs: tuple[int, ...] = (), memory_fraction: float = 1.0,
-                 watermark: Watermark | None = None):
+                 watermark: Watermark | None = None, kv_cache_dtype: torch.dtype | None = None):
         self.model = loaded.model
         self.config = loaded.config
         self.device = loaded.device
@@ -51,16 +52,19 @@ class ModelRunner:
         self.adapters = loaded.adapters
         self.samples = self.tp.rank == 0
         self.block_size = block_size
-        self.backend = select_backend(self.device, attention_backend)
+        self.backend = select_backend(self.device, attention_backend, fp8_kv=kv_cache_dtype in FP8_KV_DTYPES)
         if self.config.attn_softcap and self.backend not in SOFTCAP_BACKENDS:
             raise ValueError(f"the {self.backend} attention backend cannot cap attention scores "
                              f"(this {self.config.model_type} model does); use one of {', '.join(SOFTCAP_BACKENDS)}")
+        if kv_cache_dtype in FP8_KV_DTYPES and self.backend not in FP8_KV_BACKENDS:
+            raise ValueError(f"the {self.backend} attention backend cannot read a float8 KV cache; "
+                             f"use one of {', '.join(FP8_KV_BACKENDS)}")
         self.kv_cache_bytes = kv_cache_bytes  # the shard's flag, per rank; 0 = automatic
         self.memory_fraction = memory_fraction  # of a GPU's memory the shard may hold (automatic budget)
         self.sampler = Sampler(watermark)
         self.grammars = grammars
         self.kv_spec = KVCacheSpec(self.config.num_layers, self.model.heads.num_kv_heads,
-                                   self.config.head_dim, block_size, loaded.dtype)
+                                   self.config.head_dim, block_size, kv_cache_dtype or loaded.dtype)
         # Until Warmup sizes it, the cache holds only the scratch block.
         self.cache = KVCache(self.kv_spec, 0, self.device)
         self.table = self._table(0)

@@ -14,6 +14,7 @@ from tgi_proto import pb
 from .config import ShardConfig
 from .distributed import TensorParallel
 from .grammar import GrammarCompiler
+from .layers.attention import Attention
 from .model_loader import DTYPES, default_dtype, default_quant_kernel_dtype, load_model, open_checkpoint
 from .model_runner import ModelRunner
 from .quant import kernel_counts
@@ -24,6 +25,8 @@ from .weights.resolve import resolve_model
 from .weights.tokenizer_export import export_tokenizer
 
 log = logging.getLogger("tgi_server")
+
+KV_CACHE_DTYPES = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}  # --kv-cache-dtype
 
 
 def pick_device(name: str | None, rank: int = 0) -> torch.device:
@@ -54,8 +57,9 @@ def load_shard(config: ShardConfig) -> tuple[ModelRunner, pb.InfoResponse]:
     source = resolve_model(config.model_id, config.revision)
     log.info("loading %s (%s) as %s on %s", source.model_id, source.path, str(dtype).removeprefix("torch."), device)
     start = time.perf_counter()
+    kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] if config.kv_cache_dtype else None
     c, weights = open_checkpoint(source, dtype, device, config.quantize, kernel_dtype, config.rope,
-                                 config.lora_adapters)
+                                 config.lora_adapters, kv_scales=kv_dtype is not None)
     if config.rope:
         log.info("RoPE scaling %s at factor %g replaces the checkpoint's: the model serves %d positions",
                  *config.rope, c.max_position_embeddings)
@@ -68,13 +72,17 @@ def load_shard(config: ShardConfig) -> tuple[ModelRunner, pb.InfoResponse]:
                 if tokenizer_json and tp.rank == 0 else None)
     runner = ModelRunner(loaded, config.block_size, config.attention_backend, config.kv_cache_bytes, grammars,
                          config.cuda_graphs, config.cuda_memory_fraction,
-                         Watermark(config.watermark_gamma, config.watermark_delta))
+                         Watermark(config.watermark_gamma, config.watermark_delta), kv_dtype)
     heads = loaded.model.heads
     log.info("loaded %s: %d layers in %.1f s; attention backend %s; shard %d of %d holds %d of %d query "
              "heads, %d of %d kv heads, %.1f MiB of weights (%d bytes)",
              c.model_type, c.num_layers, time.perf_counter() - start, runner.backend, tp.rank, tp.world_size,
              heads.num_heads, c.num_heads, heads.num_kv_heads, c.num_kv_heads,
              loaded.weight_bytes / 2**20, loaded.weight_bytes)
+    if kv_dtype is not None:
+        scaled = sum(1 for m in loaded.model.modules() if isinstance(m, Attention) and m.kv_scaled)
+        log.info("KV cache blocks in %s: %d of %d layers with the checkpoint's k/v scales, the others 1.0",
+                 config.kv_cache_dtype, scaled, c.num_layers)
     if kernels := kernel_counts(loaded.model):
         log.info("quantized linears by kernel: %s%s", ", ".join(f"{n} {name}" for name, n in sorted(kernels.items())),
                  f" (activations in {str(kernel_dtype).removeprefix('torch.')})" if kernel_dtype else "")

@@ -246,6 +246,22 @@ def test_shard_command_line_and_environment():
 
 @pytest.mark.parametrize("argv,env,passed", [
     ([], {}, None),
+    (["--kv-cache-dtype", "fp8_e4m3fn"], {}, "fp8_e4m3fn"),
+    ([], {"KV_CACHE_DTYPE": "fp8_e5m2"}, "fp8_e5m2"),
+])
+def test_kv_cache_dtype_reaches_the_shard(argv, env, passed):
+    command = shard_command(parse_args(argv, env), 0)
+    if passed is None:
+        assert "--kv-cache-dtype" not in command
+    else:
+        assert command[command.index("--kv-cache-dtype") + 1] == passed
+        # the shard's own parser takes it
+        from tgi_server.cli import build_parser, config_from_args
+        assert config_from_args(build_parser().parse_args(command[3:])).kv_cache_dtype == passed
+
+
+@pytest.mark.parametrize("argv,env,passed", [
+    ([], {}, None),
     (["--rope-scaling", "dynamic"], {}, ["dynamic", "1.0"]),           # TGI: a scaling alone has factor 1
     (["--rope-factor", "2"], {}, ["linear", "2.0"]),                   # a factor alone is linear
     (["--rope-scaling", "yarn", "--rope-factor", "4"], {}, ["yarn", "4.0"]),

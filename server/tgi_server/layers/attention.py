@@ -11,6 +11,7 @@ from tgi_kernels import (DecodeMeta, PrefillMeta, fuses_rotary, paged_decode, ro
                          varlen_prefill)
 
 from ..distributed import TensorParallel
+from ..weights.errors import CheckpointError
 from ..weights.source import TensorSource
 from .linear import Linear
 from .norm import RMSNorm
@@ -65,12 +66,15 @@ class Attention(nn.Module):
     num_heads / num_kv_heads are this rank's; its cache holds its kv heads only.
     q_norm / k_norm (qwen3, gemma3): an RMSNorm over each head's head_dim,
     before RoPE. rotary_dim (phi3's partial rotary): RoPE rotates each
-    head's first rotary_dim dims only. softcap (gemma2): scores capped softly."""
+    head's first rotary_dim dims only. softcap (gemma2): scores capped softly.
+    kv_scales (k_scale, v_scale): the cache holds key / k_scale and value /
+    v_scale (a float8 cache, tgi_kernels.fp8); the kernels read what it
+    holds, so k_scale joins the softmax scale and v_scale the output."""
 
     def __init__(self, qkv: Linear, o_proj: Linear, layer_idx: int, num_heads: int,
                  num_kv_heads: int, head_dim: int, sliding_window: int, scale: float | None = None,
                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, rotary_dim: int | None = None,
-                 softcap: float = 0.0):
+                 softcap: float = 0.0, kv_scales: tuple[float, float] = (1.0, 1.0)):
         super().__init__()
         self.qkv, self.o_proj = qkv, o_proj
         self.layer_idx = layer_idx
@@ -80,13 +84,17 @@ class Attention(nn.Module):
         self.q_norm, self.k_norm = q_norm, k_norm
         self.rotary_dim = rotary_dim  # None: RoPE rotates the whole head
         self.softcap = softcap  # > 0: scores capped softly (gemma2)
+        self.kv_scales = kv_scales
+        self.kv_scaled = kv_scales != (1.0, 1.0)
 
     @classmethod
     def load(cls, weights: TensorSource, prefix: str, layer_idx: int, heads: HeadShard, config: "ModelConfig",
              tp: TensorParallel) -> "Attention":
         """This rank's heads of layer `layer_idx` of `config` (a ModelConfig):
         q/k/v column-parallel by head, o_proj row-parallel; q/k norms whole
-        (they act on one head at a time)."""
+        (they act on one head at a time). The KV cache scales are read where
+        weights.kv_scales (a float8 cache): `k_scale` and `v_scale`, or one
+        `kv_scale` for both, as fp8 checkpoints store them; 1.0 without."""
         head_dim = config.head_dim
         q_rows = (heads.q_start * head_dim, (heads.q_start + heads.num_heads) * head_dim)
         kv_rows = (heads.kv_start * head_dim, (heads.kv_start + heads.num_kv_heads) * head_dim)
@@ -105,7 +113,7 @@ class Attention(nn.Module):
                  if config.qk_norm else (None, None))
         return cls(qkv, o_proj, layer_idx, heads.num_heads, heads.num_kv_heads, head_dim,
                    config.layers[layer_idx].sliding_window, config.attn_scale, *norms, config.rotary_dim,
-                   config.attn_softcap)
+                   config.attn_softcap, _kv_scales(weights, prefix) if weights.kv_scales else (1.0, 1.0))
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv [T, heads + 2 kv_heads, D] -> the same with q and k heads normed
@@ -125,9 +133,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qkv = self._norm_heads(qkv)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        k_scale, v_scale = self.kv_scales
         if cos_sin is not None and self.rotary_dim is None and fuses_rotary(ctx.backend):
             qkv = qkv.contiguous()  # a no-op after a GEMM; rotated in place
-            rotary_store_kv(qkv, *cos_sin, heads, k_cache, v_cache, ctx.slot_mapping)
+            rotary_store_kv(qkv, *cos_sin, heads, k_cache, v_cache, ctx.slot_mapping, k_scale, v_scale)
             q = qkv[:, :heads]
             k = None  # sliced below only where a prefill reads it
         else:
@@ -141,19 +150,39 @@ class Attention(nn.Module):
                     rd = self.rotary_dim
                     qk = torch.cat([apply_rotary(qk[..., :rd], *cos_sin), qk[..., rd:]], dim=-1)
                 q, k = qk[:, :heads], qk[:, heads:]
-            store_kv(k, qkv[:, heads + kv_heads:], k_cache, v_cache, ctx.slot_mapping, ctx.backend)
+            store_kv(k, qkv[:, heads + kv_heads:], k_cache, v_cache, ctx.slot_mapping, ctx.backend, k_scale, v_scale)
 
         nd = ctx.num_decode_tokens
+        scale = self.scale * k_scale  # scores q.k * scale = q.(k / k_scale) * scale'
         if ctx.prefill is None:  # every token decodes: no slicing (~2.5 us a view, 30 layers a step)
-            out = paged_decode(q, k_cache, v_cache, ctx.decode, self.scale, self.sliding_window, ctx.backend,
+            out = paged_decode(q, k_cache, v_cache, ctx.decode, scale, self.sliding_window, ctx.backend,
                                self.softcap)
         else:
             k = qkv[:, heads:heads + kv_heads] if k is None else k
             v = qkv[:, heads + kv_heads:]
-            out = varlen_prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, ctx.prefill, self.scale,
+            if self.kv_scaled:  # the chunk's own keys and values on the cache's scale
+                k, v = k / k_scale, v / v_scale
+            out = varlen_prefill(q[nd:], k[nd:], v[nd:], k_cache, v_cache, ctx.prefill, scale,
                                  self.sliding_window, ctx.backend, self.softcap)
             if ctx.decode is not None:
-                decoded = paged_decode(q[:nd], k_cache, v_cache, ctx.decode, self.scale, self.sliding_window,
+                decoded = paged_decode(q[:nd], k_cache, v_cache, ctx.decode, scale, self.sliding_window,
                                        ctx.backend, self.softcap)
                 out = torch.cat([decoded, out], dim=0)  # [T, heads, head_dim]
+        if self.kv_scaled:  # softmax-weighted values / v_scale
+            out = out * v_scale
         return self.o_proj(out.reshape(tokens, heads * self.head_dim))
+
+
+def _kv_scales(weights: TensorSource, prefix: str) -> tuple[float, float]:
+    """(k_scale, v_scale) of one attention layer: `{prefix}.k_scale` and
+    `.v_scale`, else `.kv_scale` for both, else 1.0 (scalars, or one-element
+    tensors; one per layer, the same on every rank)."""
+    def scale(*names: str) -> float:
+        name = next((f"{prefix}.{n}" for n in names if weights.has(f"{prefix}.{n}")), None)
+        if name is None:
+            return 1.0
+        value = float(weights.get(name).float().reshape(-1)[0])
+        if not 0 < value < float("inf"):
+            raise CheckpointError(f"{name} is {value}: a KV cache scale must be positive and finite")
+        return value
+    return scale("k_scale", "kv_scale"), scale("v_scale", "kv_scale")

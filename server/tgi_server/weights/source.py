@@ -27,6 +27,7 @@ class TensorSource(Protocol):
     linear_format: LinearFormat | None  # how linear layers load; None: dense `.weight` tensors
     quant_kernel_dtype: torch.dtype | None  # activations inside quantized CPU kernels; None: dtype
     lora: AdapterSet | None  # LoRA adapters the linears add (layers/lora.py); None: none
+    kv_scales: bool  # attention layers read the checkpoint's k/v cache scales (a float8 KV cache)
 
     def has(self, name: str) -> bool: ...
 
@@ -54,6 +55,7 @@ class SafetensorsSource:
         self.linear_format = None
         self.quant_kernel_dtype = None
         self.lora = None
+        self.kv_scales = False
         self._file_of: dict[str, Path] = {}
         files = sorted(directory.glob("*.safetensors"))
         index = directory / "model.safetensors.index.json"
@@ -110,6 +112,7 @@ class GGUFSource:
         self.linear_format = None
         self.quant_kernel_dtype = None
         self.lora = None
+        self.kv_scales = False
         self._file = file
         self._names = set(file.names)
 
