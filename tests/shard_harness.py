@@ -23,6 +23,7 @@ from tgi_router.engine import Engine
 from tgi_router.scheduler import Scheduler
 from tgi_router.sequence import Sequence, StoppingCriteria
 from tgi_server.config import ShardConfig
+from tgi_server.model_runner import ModelRunner
 from tgi_server.service import serve
 from tgi_server.shard import load_shard
 
@@ -116,6 +117,21 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None = N
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, eos_token_id=eos, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def chunked_logprobs(runner: ModelRunner, ids: list[int], chunk: int) -> torch.Tensor:
+    """Logprobs [len(ids) - 1] of ids[1:] under the runner's model (warmed
+    up, idle), prefilled `chunk` tokens a step: the later chunks read the
+    earlier ones from the KV cache."""
+    steps = [pb.StepRequest(new_sequences=[pb.NewSequence(
+        id=1, token_ids=ids, prompt_length=len(ids), num_scheduled_tokens=min(chunk, len(ids)),
+        block_table=list(range(-(-len(ids) // runner.block_size))),
+        parameters=pb.SamplingParameters(prefill_logprobs=True))])]
+    steps += [pb.StepRequest(running=[pb.RunningSequence(id=1, num_scheduled_tokens=min(chunk, len(ids) - start))])
+              for start in range(chunk, len(ids), chunk)]
+    logprobs = [t.logprob for step in steps for t in runner.step(step).generations[0].prefill_tokens]
+    runner.step(pb.StepRequest(release_ids=[1]))
+    return torch.tensor(logprobs[1:])  # the first token has none
 
 
 def greedy(**kw) -> pb.SamplingParameters:

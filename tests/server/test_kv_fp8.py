@@ -1,8 +1,8 @@
 """--kv-cache-dtype fp8_e4m3fn | fp8_e5m2 on the shard: Warmup fits 2x the
 blocks of a 16-bit cache (4x of float32) in the same bytes, the model reads
 the rounded cache (logits move a little, not a lot), per-layer k/v scales
-come from the checkpoint, and on SmolLM2 perplexity and greedy text stay
-where the float cache has them.
+come from the checkpoint. (SmolLM2's perplexity and greedy text with
+either format: `make bench BENCH=kv_fp8`.)
 
 Logprobs here come from chunked prefills (`chunked_logprobs`): a chunk's own
 keys are the step's fresh ones, so a single prefill of the whole text would
@@ -26,7 +26,7 @@ from tgi_server.weights.errors import CheckpointError
 from tgi_server.weights.gguf import load_gguf_tokenizer
 from tgi_server.weights.resolve import default_model_path
 
-from ..shard_harness import save_tiny_model, with_tensors
+from ..shard_harness import chunked_logprobs, save_tiny_model, with_tensors
 
 FP8 = ("fp8_e4m3fn", "fp8_e5m2")
 LICENSE = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
@@ -40,33 +40,6 @@ def runner_for(path: str | None, kv_cache_dtype: str | None, dtype: str = "float
     runner, _ = load_shard(config)
     runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=256, max_batch_size=4))
     return runner
-
-
-def chunked_logprobs(runner: ModelRunner, ids: list[int], chunk: int) -> torch.Tensor:
-    """Logprobs [len(ids) - 1] of ids[1:] under the model, prefilled `chunk`
-    tokens a step (the later chunks read the earlier ones from the cache)."""
-    steps = [pb.StepRequest(new_sequences=[pb.NewSequence(
-        id=1, token_ids=ids, prompt_length=len(ids), num_scheduled_tokens=min(chunk, len(ids)),
-        block_table=list(range(-(-len(ids) // runner.block_size))),
-        parameters=pb.SamplingParameters(prefill_logprobs=True))])]
-    steps += [pb.StepRequest(running=[pb.RunningSequence(id=1, num_scheduled_tokens=min(chunk, len(ids) - start))])
-              for start in range(chunk, len(ids), chunk)]
-    logprobs = [t.logprob for step in steps for t in runner.step(step).generations[0].prefill_tokens]
-    runner.step(pb.StepRequest(release_ids=[1]))
-    return torch.tensor(logprobs[1:])  # the first token has none
-
-
-def greedy_ids(runner: ModelRunner, prompt: list[int], new_tokens: int) -> list[int]:
-    """new_tokens greedy tokens after `prompt` (decode steps read the cache)."""
-    blocks = list(range(-(-(len(prompt) + new_tokens) // runner.block_size)))
-    out = [runner.step(pb.StepRequest(new_sequences=[pb.NewSequence(
-        id=1, token_ids=prompt, prompt_length=len(prompt), num_scheduled_tokens=len(prompt), block_table=blocks,
-        parameters=pb.SamplingParameters())])).generations[0].token_id]
-    while len(out) < new_tokens:
-        out.append(runner.step(pb.StepRequest(running=[pb.RunningSequence(id=1, num_scheduled_tokens=1)]))
-                   .generations[0].token_id)
-    runner.step(pb.StepRequest(release_ids=[1]))
-    return out
 
 
 @pytest.fixture(scope="module")
