@@ -18,17 +18,23 @@ QUERY_DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16],
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
 
 
+def _read_cases(test):
+    """Every CPU backend that reads fp8, GQA 3 / head 64 and GQA 2 / head 128,
+    with and without a window, both formats, float32 and bf16 queries."""
+    for mark in (pytest.mark.parametrize("backend", BACKENDS),
+                 pytest.mark.parametrize("group, head_dim", [(3, 64), (2, 128)]),
+                 pytest.mark.parametrize("sliding_window", [0, 6]), FP8, QUERY_DTYPES):
+        test = mark(test)
+    return test
+
+
 def _fp8_caches(case, fp8):
     """The case's caches in fp8, and the same values widened back to the query's dtype."""
     k8, v8 = to_cache_dtype(case.k_cache, fp8), to_cache_dtype(case.v_cache, fp8)
     return (k8, v8), (k8.to(case.query.dtype), v8.to(case.query.dtype))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("group, head_dim", [(3, 64), (2, 128)])
-@pytest.mark.parametrize("sliding_window", [0, 6])
-@FP8
-@QUERY_DTYPES
+@_read_cases
 def test_decode_reads_fp8_cache_as_its_values(backend, group, head_dim, sliding_window, fp8, dtype):
     case = make_decode_case([1, 3, 16, 17, 40], heads=2 * group, kv_heads=2, head_dim=head_dim, block_size=16,
                             dtype=dtype, seed=head_dim)
@@ -39,11 +45,7 @@ def test_decode_reads_fp8_cache_as_its_values(backend, group, head_dim, sliding_
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("group, head_dim", [(3, 64), (2, 128)])
-@pytest.mark.parametrize("sliding_window", [0, 6])
-@FP8
-@QUERY_DTYPES
+@_read_cases
 def test_prefill_reads_fp8_prefix_as_its_values(backend, group, head_dim, sliding_window, fp8, dtype):
     case = make_case([5, 20, 1], [3, 17, 40], heads=2 * group, kv_heads=2, head_dim=head_dim, block_size=16,
                      dtype=dtype, seed=head_dim + 1)
