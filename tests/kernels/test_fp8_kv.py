@@ -131,3 +131,31 @@ def test_triton_reads_fp8_cache_as_its_values(fp8):
     want = varlen_prefill(*args, kw, vw, case.prefill, 0.2, backend="reference")
     got = varlen_prefill(*args, k8, v8, case.prefill, 0.2, backend="triton")
     torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+@FP8
+def test_cuda_backends_read_and_store_fp8(backend, fp8):
+    """On a GPU: the Triton store rounds as torch does (hardware conversion),
+    and decode and prefill read the blocks as their values, bf16 queries."""
+    cuda = dict(dtype=torch.bfloat16, device="cuda")
+    decode = make_decode_case([3, 17, 40, 300], heads=8, kv_heads=2, head_dim=128, block_size=16, seed=7, **cuda)
+    (k8, v8), (kw, vw) = _fp8_caches(decode, fp8)
+    want = paged_decode(decode.query, kw, vw, decode.decode, 0.1, backend="reference")
+    torch.testing.assert_close(paged_decode(decode.query, k8, v8, decode.decode, 0.1, backend=backend), want,
+                               **TOLERANCE[torch.bfloat16])
+    case = make_case([5, 20], [3, 170], heads=8, kv_heads=2, head_dim=128, block_size=16, seed=8, **cuda)
+    (k8, v8), (kw, vw) = _fp8_caches(case, fp8)
+    args = (case.query, case.key, case.value)
+    torch.testing.assert_close(varlen_prefill(*args, k8, v8, case.prefill, 0.1, backend=backend),
+                               varlen_prefill(*args, kw, vw, case.prefill, 0.1, backend="reference"),
+                               **TOLERANCE[torch.bfloat16])
+    key = torch.randn(9, 2, 128, device="cuda") * 5
+    k_cache, v_cache = torch.zeros(4, 4, 2, 128, dtype=fp8, device="cuda"), torch.zeros(4, 4, 2, 128, dtype=fp8,
+                                                                                       device="cuda")
+    slots = torch.arange(9, device="cuda") + 3
+    store_kv(key, key, k_cache, v_cache, slots, backend, k_scale=0.5, v_scale=2.0)
+    assert torch.equal(k_cache.view(-1, 2, 128)[slots].view(torch.uint8),
+                       to_cache_dtype(key, fp8, 0.5).view(torch.uint8))
