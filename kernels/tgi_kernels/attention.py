@@ -41,8 +41,6 @@ BACKENDS: dict[str, AttentionBackend] = {
 }
 # Those that cap scores softly (gemma2's attn_logit_softcapping); triton does not yet.
 SOFTCAP_BACKENDS = ("reference", "sdpa", "cpu", "flash_attn")
-# Those that read a float8 KV cache (fp8.py); flash-attn 2 takes fp16/bf16 caches only.
-FP8_KV_BACKENDS = ("reference", "sdpa", "cpu", "triton")
 
 
 def available_backends(device: torch.device) -> list[str]:
@@ -60,7 +58,8 @@ def available_backends(device: torch.device) -> list[str]:
 
 def select_backend(device: torch.device, forced: str | None = None, fp8_kv: bool = False) -> str:
     """The backend name to use on `device`: `forced` if given, else the default
-    (fp8_kv: the default among FP8_KV_BACKENDS, for a float8 KV cache).
+    (fp8_kv, a float8 KV cache: on CUDA triton, which reads it in place, before
+    flash_attn, which gathers it into 16-bit copies).
 
     Raises ValueError, naming the available backends, when `forced` is unknown or
     cannot run on `device`.
@@ -72,9 +71,11 @@ def select_backend(device: torch.device, forced: str | None = None, fp8_kv: bool
                 f"attention backend {forced!r} is not available on {device}; available: {', '.join(available)}"
             )
         return forced
-    preferred = ("flash_attn", "triton") if torch.device(device).type == "cuda" else ("cpu",)
-    return next((name for name in preferred if name in available and (not fp8_kv or name in FP8_KV_BACKENDS)),
-                "sdpa")
+    if torch.device(device).type == "cuda":
+        preferred = ("triton", "flash_attn") if fp8_kv else ("flash_attn", "triton")
+    else:
+        preferred = ("cpu",)
+    return next((name for name in preferred if name in available), "sdpa")
 
 
 def _backend(device: torch.device, name: str | None) -> AttentionBackend:
@@ -101,7 +102,7 @@ def paged_decode(
 
     query [B, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D] already holding
     the current token; H a multiple of KVH (query head h reads kv head h // (H // KVH)).
-    The cache may be float8 (FP8_KV_BACKENDS): its values are read as they are.
+    The cache may be float8 (fp8.py): its values are read as they are.
     Query b sits at position seq_lens[b] - 1 and sees keys j with
     seq_lens[b] - 1 - sliding_window < j <= seq_lens[b] - 1 (no lower bound when
     sliding_window is 0). softcap > 0: each scaled score s becomes
@@ -127,7 +128,7 @@ def varlen_prefill(
     """Causal attention of a packed batch of chunks, each after an optional cached prefix.
 
     query [T, H, D]; key/value [T, KVH, D] for the chunk tokens, which are also already
-    in the cache (float8 in FP8_KV_BACKENDS: read as they are). Query token i of sequence b sits at position p = prefix_lens[b] + i
+    in the cache (a float8 cache's values read as they are). Query token i of sequence b sits at position p = prefix_lens[b] + i
     and sees keys j with p - sliding_window < j <= p; keys j < prefix_lens[b] are read
     from the cache. softcap as in paged_decode. Returns out [T, H, D] in query's dtype.
     """

@@ -15,6 +15,12 @@ window (left, 0) lets query i see keys i - left .. i, so a Mistral sliding
 window W maps to left = W - 1.
 
 Queries in float32 fall back to the sdpa backend: flash-attn has no fp32 kernel.
+flash-attn 2 reads 16-bit caches only: a float8 cache's blocks take the
+gathered path, widened to the query's dtype as they are gathered (a copy of
+the step's blocks, as for small blocks; with a cached prefix the chunk's own
+keys are then read back rounded, where other backends use the step's; the
+triton backend reads float8 in place, and is the default on CUDA for such a
+cache).
 """
 
 from __future__ import annotations
@@ -71,7 +77,7 @@ def paged_decode(
     common = dict(cache_seqlens=meta.seq_lens, softmax_scale=scale, causal=True, window_size=_window(sliding_window),
                   **_softcap(softcap))
     q = query.unsqueeze(1)  # [B, 1, H, D]
-    if block_size % PAGED_BLOCK_MULTIPLE == 0:
+    if block_size % PAGED_BLOCK_MULTIPLE == 0 and k_cache.dtype == query.dtype:
         out = _flash().flash_attn_with_kvcache(q, k_cache, v_cache, block_table=meta.block_tables, **common)
     else:
         ids = sdpa.decode_block_ids(meta, block_size)
@@ -82,10 +88,10 @@ def paged_decode(
     return out.squeeze(1)
 
 
-def gather_contexts(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PrefillMeta):
+def gather_contexts(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PrefillMeta, dtype: torch.dtype):
     """Whole context (prefix + chunk) of every sequence, packed, read from the cache.
 
-    Returns k, v [sum(prefix + query), KVH, D] and cu_seqlens_k [B+1] int32.
+    Returns k, v [sum(prefix + query), KVH, D] in `dtype` and cu_seqlens_k [B+1] int32.
     Everything stays on the device: sizes come from the python lists in `meta`.
     """
     batch = len(meta.query_lens)
@@ -100,8 +106,8 @@ def gather_contexts(k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PrefillM
     pos = torch.arange(total, device=device) - cu_seqlens_k[seq_idx]  # [total] position within its sequence
     blocks = meta.block_tables[seq_idx, pos // block_size].long()  # [total]
     slots = blocks * block_size + pos % block_size  # [total]
-    k = k_cache.view(-1, kv_heads, head_dim).index_select(0, slots)  # [total, KVH, D]
-    v = v_cache.view(-1, kv_heads, head_dim).index_select(0, slots)
+    k = k_cache.view(-1, kv_heads, head_dim).index_select(0, slots).to(dtype)  # [total, KVH, D]
+    v = v_cache.view(-1, kv_heads, head_dim).index_select(0, slots).to(dtype)
     return k, v, cu_seqlens_k
 
 
@@ -123,7 +129,7 @@ def varlen_prefill(
     if not any(meta.prefix_lens_list):
         cu, n = meta.cu_seqlens_q, meta.max_query_len
         return _flash().flash_attn_varlen_func(query, key, value, cu, cu, n, n, **common)
-    k, v, cu_seqlens_k = gather_contexts(k_cache, v_cache, meta)
+    k, v, cu_seqlens_k = gather_contexts(k_cache, v_cache, meta, query.dtype)
     return _flash().flash_attn_varlen_func(
         query, k, v, meta.cu_seqlens_q, cu_seqlens_k, meta.max_query_len, meta.max_seq_len, **common
     )

@@ -2,10 +2,12 @@
 
 A float8 cache holds key / k_scale and value / v_scale, rounded to nearest
 even and saturated to the format's range (k_scale, v_scale: the layer's, from
-the checkpoint, else 1). Every backend but flash_attn reads them back as
-their float values while it computes, never through a dequantized copy of
-the cache; the caller folds the scales into the softmax scale and the output
-(layers/attention.py), so no kernel takes a scale to read.
+the checkpoint, else 1). Every backend reads them back as their float
+values: the cpu and triton kernels widen each row as they load it; sdpa,
+the reference and flash_attn (whose kernels take 16-bit caches only) widen
+the blocks they gather for a step, never the whole cache. The caller folds
+the scales into the softmax scale and the output (layers/attention.py), so
+no kernel takes a scale to read.
 """
 
 from __future__ import annotations

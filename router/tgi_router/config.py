@@ -193,8 +193,8 @@ _FLAGS = (
           "or yarn (ours), with --rope-factor (default 1.0); the model's length grows by the factor"),
     _Flag("rope_factor", _float, "RoPE scaling factor; alone it means linear scaling"),
     _Flag("kv_cache_dtype", _choice(KV_CACHE_DTYPES), "KV cache blocks in float8: fp8_e4m3fn or fp8_e5m2, "
-          "twice the tokens in the same memory (per-layer k/v scales from the checkpoint, else 1.0); not with "
-          "the flash_attn backend (default: the model's dtype)"),
+          "twice the tokens in the same memory (per-layer k/v scales from the checkpoint, else 1.0); on CUDA "
+          "the triton attention backend becomes the default (default: the model's dtype)"),
     _Flag("lora_adapters", str, "LoRA adapters to serve beside the base model: comma-separated hub ids or "
           "local PEFT directories, or name=path; a request picks one with parameters.adapter_id, or with "
           "`model` on the OpenAI routes"),

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from tgi_kernels import FP8_KV_BACKENDS, FP8_KV_DTYPES, SOFTCAP_BACKENDS, select_backend
+from tgi_kernels import FP8_KV_DTYPES, SOFTCAP_BACKENDS, select_backend
 from tgi_proto import pb
 
 from .batch import StepBatch, build_batch
@@ -56,9 +56,6 @@ class ModelRunner:
         if self.config.attn_softcap and self.backend not in SOFTCAP_BACKENDS:
             raise ValueError(f"the {self.backend} attention backend cannot cap attention scores "
                              f"(this {self.config.model_type} model does); use one of {', '.join(SOFTCAP_BACKENDS)}")
-        if kv_cache_dtype in FP8_KV_DTYPES and self.backend not in FP8_KV_BACKENDS:
-            raise ValueError(f"the {self.backend} attention backend cannot read a float8 KV cache; "
-                             f"use one of {', '.join(FP8_KV_BACKENDS)}")
         self.kv_cache_bytes = kv_cache_bytes  # the shard's flag, per rank; 0 = automatic
         self.memory_fraction = memory_fraction  # of a GPU's memory the shard may hold (automatic budget)
         self.sampler = Sampler(watermark)

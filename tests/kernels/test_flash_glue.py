@@ -84,3 +84,24 @@ def test_flash_falls_back_to_sdpa_for_float32(monkeypatch):
     case = make_decode_case([3, 8], heads=2, kv_heads=1, head_dim=8, block_size=4)
     args = (case.query, case.k_cache, case.v_cache, case.decode, 0.5)
     torch.testing.assert_close(flash.paged_decode(*args), paged_decode(*args, backend="reference"))
+
+
+@pytest.mark.parametrize("block_size", [4, 256])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3fn", "e5m2"])
+def test_flash_reads_a_fp8_cache_through_widened_gathers(fake_flash, block_size, fp8):
+    """flash-attn 2 takes 16-bit caches only: a float8 cache's blocks are gathered
+    (paged or not) and widened to the query's dtype first. With a cached prefix
+    flash reads the chunk's own keys back from the cache too: rounded."""
+    decode = make_decode_case([1, 5, 23], heads=6, kv_heads=2, head_dim=16, block_size=block_size,
+                              dtype=torch.bfloat16)
+    k8, v8 = decode.k_cache.to(fp8), decode.v_cache.to(fp8)
+    widened = (k8.to(torch.bfloat16), v8.to(torch.bfloat16))
+    torch.testing.assert_close(flash.paged_decode(decode.query, k8, v8, decode.decode, 0.25),
+                               paged_decode(decode.query, *widened, decode.decode, 0.25, backend="reference"))
+    case = make_case([6, 1, 9], [3, 0, 17], heads=6, kv_heads=2, head_dim=16, block_size=4, dtype=torch.bfloat16)
+    k8, v8 = case.k_cache.to(fp8), case.v_cache.to(fp8)
+    rounded = (case.key.to(fp8).to(torch.bfloat16), case.value.to(fp8).to(torch.bfloat16))
+    torch.testing.assert_close(
+        flash.varlen_prefill(case.query, case.key, case.value, k8, v8, case.prefill, 0.25),
+        varlen_prefill(case.query, *rounded, k8.to(torch.bfloat16), v8.to(torch.bfloat16), case.prefill, 0.25,
+                       backend="reference"))
