@@ -1,7 +1,8 @@
 """The paged KV cache: per layer, K and V of [num_blocks + 1, block_size,
-kv_heads, head_dim]. Block ids 0..num_blocks-1 belong to the router; the
-extra last block is the shard's scratch space for warmup and health checks.
-Under tensor parallelism a rank caches only its own kv heads."""
+kv_heads, head_dim], in the model's dtype or float8 (--kv-cache-dtype: one
+byte an element, tgi_kernels.fp8). Block ids 0..num_blocks-1 belong to the
+router; the extra last block is the shard's scratch space for warmup and
+health checks. Under tensor parallelism a rank caches only its own kv heads."""
 
 from dataclasses import dataclass
 
