@@ -86,7 +86,7 @@ def test_a_backend_that_cannot_cap_scores_is_refused_for_gemma2(tmp_path, monkey
 
     path = save_tiny_model("gemma2", tmp_path / "gemma2")
     config, weights = open_checkpoint(resolve_model(str(path)), torch.float32, torch.device("cpu"), None)
-    monkeypatch.setattr(model_runner, "select_backend", lambda device, forced: forced)  # as on CUDA
+    monkeypatch.setattr(model_runner, "select_backend", lambda device, forced, fp8_kv: forced)  # as on CUDA
     with pytest.raises(ValueError, match="the triton attention backend cannot cap attention scores .* use one of "
                                          "reference, sdpa, cpu, flash_attn"):
         model_runner.ModelRunner(load_model(config, weights, TensorParallel()), 16, "triton", 1 << 20)
