@@ -189,13 +189,13 @@ void decode_heads_vec(const T* q, const C* k_cache, const C* v_cache, int64_t bl
       const int64_t kv = (h / G) * D;  // this query head's kv head, within a row
       const float* qh = qf + h * D;
       float correction;
-#if defined(__AVX512F__)
       if (kD != 0 && n == kChunk && softcap == 0) {
         // A whole chunk: 16 dot products as 16 vectors of partial sums, then
-        // one transpose-reduce (sum16) gives the 16 scores, whose online
-        // softmax step stays in one register (the scalar loop's call took a
-        // third of the kernel's time).
-        R a[kChunk];
+        // transpose-reduces (lane_sums: one with AVX-512, two with AVX2) give
+        // the 16 scores, whose online softmax step stays in registers (the
+        // scalar loop's call took a third of the kernel's time).
+        constexpr int64_t kV = kChunk / kWidth;  // score vectors: 1 (AVX-512) or 2 (AVX2)
+        R a[kChunk], scores[kV];
 #pragma GCC unroll 16
         for (int64_t t = 0; t < kChunk; ++t) {
           const float* kr = krow[t] + kv;
@@ -204,18 +204,21 @@ void decode_heads_vec(const T* q, const C* k_cache, const C* v_cache, int64_t bl
           for (int64_t j = 1; j < nj; ++j) x = fma(load(qh + j * kWidth), load(kr + j * kWidth), x);
           a[t] = x;
         }
-        const R scores = sum16(a);
-        const float mx = std::max(m[h], _mm512_reduce_max_ps(scores));
+        R top = scores[0] = lane_sums(a);
+        for (int64_t v = 1; v < kV; ++v) top = max(top, scores[v] = lane_sums(a + v * kWidth));
+        const float mx = std::max(m[h], hmax(top));
         // The first chunk rescales nothing: the accumulators and l are still 0.
         // (exp_approx is not inlined here: a call per head and chunk cost ~15% of the kernel)
-        correction = m[h] == -std::numeric_limits<float>::infinity() ? 0.0f
-                                                                      : _mm512_cvtss_f32(exp(set1(m[h] - mx)));
-        const R p = exp(sub(scores, set1(mx)));
-        l[h] = l[h] * correction + sum(p);
+        correction = m[h] == -std::numeric_limits<float>::infinity() ? 0.0f : lane0(exp(set1(m[h] - mx)));
+        R total = set1(0.0f);
+        for (int64_t v = 0; v < kV; ++v) {
+          const R p = exp(sub(scores[v], set1(mx)));
+          total = add(total, p);
+          store(s + v * kWidth, p);
+        }
+        l[h] = l[h] * correction + sum(total);
         m[h] = mx;
-        store(s, p);
       } else
-#endif
       {
         for (int64_t t = 0; t < n; ++t) {
           const float* kr = krow[t] + kv;

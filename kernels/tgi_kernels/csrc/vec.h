@@ -50,6 +50,10 @@ inline R sum16(const R* a) {
   const R e23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, 0x88), _mm512_shuffle_f32x4(e01, e23, 0xDD));
 }
+// kWidth vectors' lane sums as one vector (out[t] = sum of a[t]'s lanes).
+inline R lane_sums(const R* a) { return sum16(a); }
+inline float hmax(R v) { return _mm512_reduce_max_ps(v); }
+inline float lane0(R v) { return _mm512_cvtss_f32(v); }
 }  // namespace tgi::vec
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -71,6 +75,22 @@ inline float sum(R v) {
 }
 inline R max(R a, R b) { return _mm256_max_ps(a, b); }
 inline R min(R a, R b) { return _mm256_min_ps(a, b); }
+inline float hmax(R v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline float lane0(R v) { return _mm256_cvtss_f32(v); }
+// The lane sums of 8 vectors as one vector: out[t] = sum of a[t]'s 8 lanes
+// (pairs, then pairs of pairs within each 128-bit half, then the halves):
+// 6 hadds, 2 permutes and an add where 8 separate horizontal sums take ~48
+// instructions.
+inline R lane_sums(const R* a) {
+  const R h0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const R h4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  // h0123: [a0..a3's lanes 0-3 | a0..a3's lanes 4-7]; likewise h4567
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
 inline R keep(R x, R lo, R key, R hi) {
   const R k = _mm256_and_ps(_mm256_cmp_ps(lo, key, _CMP_LT_OQ), _mm256_cmp_ps(key, hi, _CMP_LE_OQ));
   return _mm256_blendv_ps(_mm256_set1_ps(-__builtin_inff()), x, k);
