@@ -100,7 +100,8 @@ def decode_steps(runners: dict) -> dict:
     for runner in runners.values():
         seqs = [pb.NewSequence(id=i + 1, token_ids=list(range(100, 100 + DECODE_CONTEXT)),
                                prompt_length=DECODE_CONTEXT, num_scheduled_tokens=DECODE_CONTEXT,
-                               block_table=list(range(i * blocks, (i + 1) * blocks)), parameters=pb.SamplingParameters())
+                               block_table=list(range(i * blocks, (i + 1) * blocks)),
+                               parameters=pb.SamplingParameters())
                 for i in range(DECODE_BATCH)]
         for i in range(0, DECODE_BATCH, 8):
             runner.step(pb.StepRequest(new_sequences=seqs[i:i + 8]))
@@ -122,7 +123,8 @@ def run() -> dict:
     runs = {kv: served(kv) for kv in KV_DTYPES}
     base = runs[None]
     floor = first_differences(served(None, "sdpa")["tokens"], base["tokens"])
-    results = {"kv_fp8_float_capacity": base["capacity"], "kv_fp8_noise_floor_greedy_same_of_5": floor.count(NEW_TOKENS)}
+    results = {"kv_fp8_float_capacity": base["capacity"],
+               "kv_fp8_noise_floor_greedy_same_of_5": floor.count(NEW_TOKENS)}
     print(f"kv_fp8: float cache, sdpa against the default backend: first differing token per prompt {floor}",
           flush=True)
     for kv in KV_DTYPES[1:]:

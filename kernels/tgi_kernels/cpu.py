@@ -59,7 +59,8 @@ def varlen_prefill(
     has AVX2 or AVX-512) when the cache is in query's dtype or float8, else
     SDPA a sequence at a time."""
     ops = native_ops()
-    if ((query.dtype == k_cache.dtype or k_cache.dtype in FP8_KV_DTYPES) and query.dtype != torch.float64 and query.shape[-1] % 16 == 0
+    reads_cache = query.dtype == k_cache.dtype or k_cache.dtype in FP8_KV_DTYPES
+    if (reads_cache and query.dtype != torch.float64 and query.shape[-1] % 16 == 0
             and hasattr(ops, "varlen_prefill")):
         return ops.varlen_prefill(query, key, value, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                   meta.prefix_lens, scale, sliding_window, softcap)

@@ -17,9 +17,6 @@ import torch
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
     """x as the cache stores it: float8 of float(x) / scale, saturated (a
     plain cast overflows to NaN or infinity), or x cast to `dtype` (scale 1)."""

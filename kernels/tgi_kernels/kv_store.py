@@ -8,6 +8,7 @@ from . import cpu
 from . import triton as triton_backend
 from .fp8 import FP8_KV_DTYPES, to_cache_dtype
 
+
 def store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
