@@ -9,7 +9,6 @@ keys are the step's fresh ones, so a single prefill of the whole text would
 never read the cache; in chunks of a few tokens nearly every key is read
 back from the float8 blocks, as decode reads them."""
 
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -23,13 +22,10 @@ from tgi_server.layers.attention import Attention
 from tgi_server.model_runner import ModelRunner
 from tgi_server.shard import load_shard
 from tgi_server.weights.errors import CheckpointError
-from tgi_server.weights.gguf import load_gguf_tokenizer
-from tgi_server.weights.resolve import default_model_path
 
 from ..shard_harness import chunked_logprobs, save_tiny_model, with_tensors
 
 FP8 = ("fp8_e4m3fn", "fp8_e5m2")
-LICENSE = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
 
 
 def runner_for(path: str | None, kv_cache_dtype: str | None, dtype: str = "float32",
