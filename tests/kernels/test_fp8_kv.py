@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from .kernel_cases import make_case, make_decode_case
+from .test_attention import CUDA_BACKENDS, needs_cuda
 from tgi_kernels import FP8_KV_DTYPES, available_backends, paged_decode, rotary_store_kv, store_kv, varlen_prefill
 from tgi_kernels.fp8 import to_cache_dtype
 
@@ -133,15 +134,14 @@ def test_triton_reads_fp8_cache_as_its_values(fp8):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("backend", ["sdpa", "triton", "flash_attn"])
+@needs_cuda
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
 @FP8
 def test_cuda_backends_read_and_store_fp8(backend, fp8):
-    """On a GPU: the Triton store rounds as torch does (hardware conversion),
-    and decode and prefill read the blocks as their values, bf16 queries
-    (flash_attn reads the chunk's own keys back rounded: a looser check)."""
-    if backend not in available_backends(torch.device("cuda")):
-        pytest.skip(f"{backend} is not available here")
+    """On a GPU, every backend there: the Triton store rounds as torch does
+    (hardware conversion), and decode and prefill read the blocks as their
+    values, bf16 queries (flash_attn reads the chunk's own keys back
+    rounded: a looser check)."""
     cuda = dict(dtype=torch.bfloat16, device="cuda")
     decode = make_decode_case([3, 17, 40, 300], heads=8, kv_heads=2, head_dim=128, block_size=16, seed=7, **cuda)
     (k8, v8), (kw, vw) = _fp8_caches(decode, fp8)
