@@ -84,6 +84,7 @@ class RouterConfig:
     kv_cache_bytes: int = 0        # KV cache budget passed to each shard; 0: sized at Warmup
     num_threads: int = 0           # torch threads per shard on CPU; 0: torch's default
     step_timeout: float = 120.0    # seconds a shard may take for one step before it counts as hung; 0: none
+    max_stall_ratio: float = 0.0   # a step with prompt tokens beside decodes vs a decode-only step; 0: no bound
     request_read_timeout: float = 60.0  # seconds a request (headers and body) may take to arrive; 0: none
     protect_metrics: bool = False  # with --api-key, /metrics and /info need the key too
     reasoning_parser: str | None = None  # "qwen3" | "deepseek_r1": thoughts as reasoning_content
@@ -212,6 +213,9 @@ _FLAGS = (
     # Ours.
     _Flag("kv_cache_bytes", _size, "[ours] KV cache budget per shard, e.g. 2GiB (default: sized at Warmup)"),
     _Flag("num_threads", _count, "[ours] torch threads per shard on CPU (default: torch's)"),
+    _Flag("max_stall_ratio", _float, "[ours] prompt tokens in a step where sequences decode are bounded so "
+          "that it takes at most this many times a decode-only step, from measured step times, e.g. 2.5 (default: 0, "
+          "off: only --max-batch-prefill-tokens bounds them, as TGI)"),
     _Flag("step_timeout", _float, "[ours] seconds one step may take before the shard counts as hung: "
           "in-flight requests fail and the launcher exits 1 (default: 120; 0: no deadline)"),
     _Flag("request_read_timeout", _float, "[ours] seconds a request's headers and body may take to arrive "
@@ -365,6 +369,8 @@ def _validate(c: RouterConfig) -> None:
         raise ConfigError(f"--quantize {c.quantize} is not supported (supported: {', '.join(QUANTIZE_SERVED)})")
     if c.waiting_served_ratio < 0:
         raise ConfigError(f"`waiting_served_ratio` must be >= 0. Given: {c.waiting_served_ratio}")
+    if c.max_stall_ratio != 0 and c.max_stall_ratio <= 1:
+        raise ConfigError(f"`max_stall_ratio` must be 0 (off) or > 1. Given: {c.max_stall_ratio}")
     if c.step_timeout < 0:
         raise ConfigError(f"`step_timeout` must be >= 0. Given: {c.step_timeout}")
     if c.request_read_timeout < 0:

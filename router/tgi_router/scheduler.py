@@ -28,6 +28,7 @@ from tgi_proto import pb
 
 from .block_manager import BlockManager, chain_hashes
 from .sequence import FinishReason, Sequence, Status
+from .step_pacer import StepPacer
 
 
 @dataclass(frozen=True)
@@ -49,11 +50,15 @@ class Scheduler:
     waiting_served_ratio / max_waiting_tokens keep TGI's meaning: while
     sequences run, waiting ones join only when they number at least
     ratio x running, or when max_waiting_tokens steps passed since the last
-    join."""
+    join. With a `pacer`, prompt tokens in a step where sequences decode are
+    bounded by its `prompt_cap` (running prompts' chunks and newcomers
+    alike), and a join that the bound cuts short goes on over the next steps
+    until the queue is in, whatever the ratio says meanwhile."""
 
     def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_batch_size: int = 0,
-                 waiting_served_ratio: float = 0.0, max_waiting_tokens: int = 0):
+                 waiting_served_ratio: float = 0.0, max_waiting_tokens: int = 0, pacer: StepPacer | None = None):
         self.blocks = blocks
+        self.pacer = pacer
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size or 1 << 30
         self.waiting_served_ratio = waiting_served_ratio
@@ -68,6 +73,7 @@ class Scheduler:
         self.join_reason: str | None = None
         self._stats = PrefillStats()
         self._prefilling: dict[int, int] = {}  # sequence id -> steps of its current prefill so far
+        self._joining = False  # a join the pacer cut short, to go on next step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -81,11 +87,16 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         budget = self.max_batch_tokens
+        prompt = self._prompt_allowance(sum(1 for seq in self.running if seq.remaining == 1))
         chosen: list[tuple[Sequence, int]] = []
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or budget == 0 or len(chosen) >= self.max_batch_size:
                 continue  # preempted by an earlier one in this loop, or no room this step
             n = min(seq.remaining, budget)
+            if seq.remaining > 1:  # a prompt's chunk (or a preempted sequence's recompute)
+                n = min(n, prompt)
+                if n == 0:
+                    continue
             while not self._grow(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -94,9 +105,11 @@ class Scheduler:
             if seq.status is Status.RUNNING:
                 chosen.append((seq, n))
                 budget -= n
+                if seq.remaining > 1:
+                    prompt -= n
         if self._may_join(len(chosen)):
             pending = {h for seq, n in chosen for h in self._filled_hashes(seq, seq.num_computed, n)}
-            self._admit(chosen, budget, pending)
+            self._admit(chosen, budget, prompt, pending)
         self._steps_since_join += 1
         return ScheduledStep(chosen, self.take_releases())
 
@@ -106,18 +119,27 @@ class Scheduler:
         nothing can run or a running sequence lacks blocks (no preemption
         here: apply `inflight` first, then `schedule()`)."""
         ahead = {seq.id: n for seq, n in inflight.seqs}
-        budget = self.max_batch_tokens
-        plan: list[tuple[Sequence, int, int]] = []  # (sequence, tokens to compute, computed before them)
+        wanted: list[tuple[Sequence, int, int]] = []  # (sequence, tokens it needs, computed before them)
         for seq in self.running:
-            if budget == 0 or len(plan) >= self.max_batch_size:
-                break
             computed = seq.num_computed + ahead.get(seq.id, 0)
             remaining = len(seq.token_ids) - computed
             if remaining == 0:  # it samples in the step in flight
                 if seq.num_generated + 1 >= seq.stopping.max_new_tokens:
                     continue  # that token is its last
                 remaining = 1
+            wanted.append((seq, remaining, computed))
+        budget = self.max_batch_tokens
+        prompt = self._prompt_allowance(sum(1 for _, remaining, _ in wanted if remaining == 1))
+        plan: list[tuple[Sequence, int, int]] = []  # (sequence, tokens to compute, computed before them)
+        for seq, remaining, computed in wanted:
+            if budget == 0 or len(plan) >= self.max_batch_size:
+                break
             n = min(remaining, budget)
+            if remaining > 1:
+                n = min(n, prompt)
+                if n == 0:
+                    continue
+                prompt -= n
             plan.append((seq, n, computed))
             budget -= n
         missing = [self.blocks.blocks_for(c + n) - len(seq.block_table) for seq, n, c in plan]
@@ -133,7 +155,7 @@ class Scheduler:
             pending = {h for seq, n in inflight.seqs if seq.status is Status.RUNNING
                        for h in self._filled_hashes(seq, seq.num_computed, n)}
             pending.update(h for seq, n, c in plan for h in self._filled_hashes(seq, c, n))
-            self._admit(chosen, budget, pending)
+            self._admit(chosen, budget, prompt, pending)
         if not chosen:
             return None
         self._steps_since_join += 1
@@ -149,7 +171,18 @@ class Scheduler:
         release, self._to_release = self._to_release, []
         return release
 
+    def _prompt_allowance(self, decodes: int) -> int:
+        """Prompt tokens a step with `decodes` decoding sequences may compute:
+        the pacer's cap, else the whole budget."""
+        cap = None
+        if self.pacer is not None:
+            batch = min(len(self.running) + len(self.waiting), self.max_batch_size)
+            cap = self.pacer.prompt_cap(decodes, batch)
+        return self.max_batch_tokens if cap is None else min(cap, self.max_batch_tokens)
+
     def _may_join(self, running: int) -> bool:
+        if self._joining and self.waiting:
+            return True  # a join cut short by the pacer, with its reason
         self.join_reason = None
         if not self.waiting or not running:
             return bool(self.waiting)
@@ -159,11 +192,14 @@ class Scheduler:
         self.join_reason = "backpressure"
         return len(self.waiting) >= int(running * self.waiting_served_ratio)
 
-    def _admit(self, chosen: list[tuple[Sequence, int]], budget: int, pending: set[int]) -> None:
-        """Admits waiting sequences into `chosen` while `budget` tokens and
-        blocks last; `pending`: prefix hashes of blocks being filled (by
-        `chosen` or a step in flight), extended with the newcomers'."""
+    def _admit(self, chosen: list[tuple[Sequence, int]], budget: int, prompt: int, pending: set[int]) -> None:
+        """Admits waiting sequences into `chosen` while `budget` tokens (of
+        which `prompt` may be theirs) and blocks last; `pending`: prefix
+        hashes of blocks being filled (by `chosen` or a step in flight),
+        extended with the newcomers'."""
         caching = self.blocks.prefix_caching
+        paced = prompt < budget
+        budget = min(budget, prompt)
         joined = False
         for seq in list(self.waiting):
             if budget == 0 or len(chosen) >= self.max_batch_size:
@@ -185,6 +221,7 @@ class Scheduler:
                 pending.update(self._filled_hashes(seq, seq.num_computed, n))
         if joined:
             self._steps_since_join = 0
+        self._joining = paced and budget == 0 and bool(self.waiting)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks of seq's longest cached prefix, stopping before the
@@ -280,6 +317,9 @@ class Scheduler:
         """Applies the shards' generations and registers the blocks they
         filled; returns the sequences that finished. Sequences that ended
         while the step ran (cancelled, stop string) are left alone."""
+        if self.pacer is not None:
+            decodes = sum(1 for seq, n in step.seqs if n == 1 and seq.num_generated)
+            self.pacer.observe(decodes, sum(n for _, n in step.seqs) - decodes, response.timings.total_ns / 1e9)
         by_id = {g.id: g for g in response.generations}
         finished = []
         for seq, n in step.seqs:

@@ -22,6 +22,7 @@ from .metrics import Metrics
 from .read_deadline import ReadDeadlineProtocol
 from .reasoning import ReasoningParser
 from .scheduler import Scheduler
+from .step_pacer import StepPacer
 from .tokenizer import RouterTokenizer
 from .validation import ValidationLimits
 
@@ -104,8 +105,9 @@ async def _build(config: RouterConfig, client: ShardClient):
     metrics.max_total_tokens(limits.max_batch_total_tokens)
     metrics.kv_blocks(warm.num_blocks, 0, warm.num_blocks)
     blocks = BlockManager(warm.num_blocks, warm.block_size, config.prefix_caching)
-    scheduler = Scheduler(blocks, limits.max_batch_prefill_tokens,
-                          config.max_batch_size or 0, config.waiting_served_ratio, config.max_waiting_tokens)
+    scheduler = Scheduler(blocks, limits.max_batch_prefill_tokens, config.max_batch_size or 0,
+                          config.waiting_served_ratio, config.max_waiting_tokens,
+                          StepPacer(warm.block_size, config.max_stall_ratio) if config.max_stall_ratio else None)
     engine = Engine(client, scheduler, tokenizer, tuple(info.eos_token_ids), metrics)
     settings = ApiSettings(
         info=p.Info(model_id=info.model_id, max_concurrent_requests=config.max_concurrent_requests,

@@ -15,6 +15,7 @@ from tgi_router.scheduler import Scheduler
 from tgi_router.sequence import FinishReason, Sequence, Status, StoppingCriteria
 
 from .fake_kv_shard import FakeKVShard, next_token
+from .test_step_pacer import FixedCap
 
 EOS = frozenset(range(5, 10))  # stop tokens: about one token in ten of the fake's
 
@@ -63,6 +64,8 @@ SCENARIOS = {
     "chunked prompts": dict(num_blocks=256, budget=7, caching=True),
     "preempting": dict(num_blocks=14, budget=64, caching=True),
     "no prefix cache": dict(num_blocks=40, budget=16, caching=False),
+    # prompt tokens beside decodes capped at 3 a step; joins cut short go on
+    "paced": dict(num_blocks=256, budget=64, caching=True, cap=3),
 }
 
 
@@ -74,7 +77,8 @@ def test_pipelined_outputs_equal_each_sequence_alone_and_nothing_leaks(scenario)
 
     async def go():
         bm = BlockManager(cfg["num_blocks"], 4, cfg["caching"])
-        scheduler = Scheduler(bm, max_batch_tokens=cfg["budget"])
+        scheduler = Scheduler(bm, max_batch_tokens=cfg["budget"],
+                              pacer=FixedCap(cfg["cap"]) if "cap" in cfg else None)
         shard = FakeKVShard(bm)
         client = Client(shard)
         engine = Engine(client, scheduler)

@@ -246,3 +246,11 @@ def test_config_is_frozen():
                                      ({"PREFIX_CACHING": "0"}, False), ({"PREFIX_CACHING": "False"}, False)])
 def test_prefix_caching_is_on_unless_the_environment_turns_it_off(env, on):
     assert parse_args([], env).prefix_caching is on
+
+
+def test_max_stall_ratio_is_off_by_default_and_must_exceed_one():
+    assert parse_args([], {}).max_stall_ratio == 0.0
+    assert parse_args(["--max-stall-ratio", "2.5"], {}).max_stall_ratio == 2.5
+    assert parse_args([], {"MAX_STALL_RATIO": "3"}).max_stall_ratio == 3.0
+    with pytest.raises(ConfigError, match="max_stall_ratio"):
+        parse_args(["--max-stall-ratio", "1"], {})
