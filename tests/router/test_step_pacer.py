@@ -3,7 +3,6 @@ step times) and the scheduler under its cap. No model: times are made up."""
 
 import pytest
 
-from tgi_proto import pb
 from tgi_router.block_manager import BlockManager
 from tgi_router.scheduler import Scheduler
 from tgi_router.step_pacer import StepPacer
