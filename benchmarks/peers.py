@@ -60,6 +60,8 @@ MAX_MODEL_LEN = 2048            # vLLM's --max-model-len (SmolLM2's own is 8192)
 LLAMA_SLOT_CTX = 512            # llama-server context per slot: prompt + new tokens, with room (a multiple of 256)
 START_TIMEOUT_S = 900           # vLLM compiles its graphs at its first start (~3-4 min on 2 cores)
 KV_CACHE_BYTES = 1 << 30        # vLLM's, as ours (benchmarks.http starts ours with 1 GiB)
+# More launcher flags for both of ours, e.g. PEERS_OURS_ARGS="--max-stall-ratio 2.5".
+OURS_ARGS = tuple(os.environ.get("PEERS_OURS_ARGS", "").split())
 SYSTEMS = tuple(s for s in ("ours_default", "ours_dense", "vllm", "llamacpp")
                 if s in os.environ.get("PEERS_SYSTEMS", "ours_default,ours_dense,vllm,llamacpp").split(","))
 LABELS = {"ours_default": "ours, Q4_1 GGUF", "ours_dense": "ours, dense", "vllm": "vLLM (CPU)",
@@ -210,7 +212,7 @@ def dense_model_dir() -> Path:
 
 
 def run_ours(model_dir: Path | None, prompts: dict, name: str) -> dict:
-    extra = ("--model-id", str(model_dir)) if model_dir else ()
+    extra = (("--model-id", str(model_dir)) if model_dir else ()) + OURS_ARGS
     LOGS.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp, open(LOGS / f"{name}.log", "w") as log:
         try:
@@ -317,6 +319,8 @@ def run() -> dict:
     errors: dict[str, str] = {}
     notes: dict[str, str] = {}
     out = versions()
+    if OURS_ARGS:
+        out["peers_ours_args"] = " ".join(OURS_ARGS)
     try:
         dense = dense_model_dir()
     except Exception as err:  # ours' dense run and vLLM's need it
