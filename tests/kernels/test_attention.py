@@ -24,6 +24,7 @@ PREFILL_SCENARIOS = {
 DECODE_SCENARIOS = {
     "bs16": ([1, 2, 15, 16, 17, 40, 100], 16),
     "bs4": ([1, 3, 4, 5, 9, 30], 4),
+    "bs32": ([1, 17, 31, 32, 33, 70], 32),  # chunks of 16 tokens inside a block
 }
 
 

@@ -4,6 +4,7 @@
 // runs SDPA with a mask: at 32 sequences of 192 tokens (SmolLM2, bf16) it
 // took ~1.1 ms a layer, this ~0.1 ms.
 #include "common.h"
+#include "decode_bf16.h"
 #include "fp8.h"
 #include "vec.h"
 
@@ -100,12 +101,6 @@ void decode_one(const T* q, const C* k_cache, const C* v_cache, int64_t block_st
   }
 }
 
-// Cache lines to prefetch: the K and V rows of one chunk (lines x 64 bytes from k and v).
-struct Rows {
-  const char *k = nullptr, *v = nullptr;
-  int64_t lines = 0;
-};
-
 // decode_one over hp consecutive kv heads of one sequence (the plain path
 // always gets hp = 1): the signature decode_heads_vec shares. `after`: the
 // first chunk of the thread's next work item (decode_heads_vec prefetches it).
@@ -183,8 +178,8 @@ void decode_heads_vec(const T* q, const C* k_cache, const C* v_cache, int64_t bl
     }
     for (int64_t h = 0; h < QH; ++h) {
       for (int64_t line = h * ahead.lines / QH; line < (h + 1) * ahead.lines / QH; ++line) {
-        __builtin_prefetch(ahead.k + line * 64);
-        __builtin_prefetch(ahead.v + line * 64);
+        __builtin_prefetch(ahead.k + line * 64, 0, 2);
+        __builtin_prefetch(ahead.v + line * 64, 0, 2);
       }
       const int64_t kv = (h / G) * D;  // this query head's kv head, within a row
       const float* qh = qf + h * D;
@@ -265,6 +260,18 @@ void decode_heads_vec(const T* q, const C* k_cache, const C* v_cache, int64_t bl
 }
 #endif
 
+#ifdef TGI_BF16_GEMM
+// decode_bf16::heads in decode_heads' signature (softcap is 0 there: checked by the caller).
+template <int64_t kD>
+void decode_heads_bf16(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+                       int64_t block_stride, int64_t token_stride, const int32_t* table, int64_t block_size,
+                       int64_t first, int64_t last, int64_t hp, int64_t G, int64_t /*head_dim*/, double scale,
+                       double /*softcap*/, c10::BFloat16* out, const Rows& after) {
+  decode_bf16::heads<kD>(q, k_cache, v_cache, block_stride, token_stride, table, block_size, first, last, hp, G,
+                         scale, out, after);
+}
+#endif
+
 // One token of rotary_store_kv: x [H + 2 KVH, D] rotated in place for the
 // first H + KVH heads; its key and value heads written to the token's slots
 // (divided by their scales and rounded where C is fp8).
@@ -341,6 +348,16 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
           while (KVH % hp) --hp;
           one = D == 64 ? decode_heads_vec<scalar_t, C, 64>
               : D == 128 ? decode_heads_vec<scalar_t, C, 128> : decode_heads_vec<scalar_t, C, 0>;
+        }
+      }
+#endif
+#ifdef TGI_BF16_GEMM
+      // bf16 query and cache: rows read as bf16 by vdpbf16ps (decode_bf16.h).
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
+        if ((D == 64 || D == 128) && softcap == 0) {
+          hp = std::max<int64_t>(1, std::min(KVH, decode_bf16::kMaxHeads / G));
+          while (KVH % hp) --hp;
+          one = D == 64 ? decode_heads_bf16<64> : decode_heads_bf16<128>;
         }
       }
 #endif

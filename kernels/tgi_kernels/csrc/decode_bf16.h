@@ -1,0 +1,178 @@
+// Paged decode attention for a bf16 query over a bf16 cache on CPUs with
+// AVX512-BF16 (AMD Zen 4, Intel Sapphire Rapids on): the cache's rows are
+// read as they are, never widened to float. Included by attention.cpp, whose
+// paged_decode picks it (decode_heads_vec stays the path for every other
+// dtype, cache and CPU, and for softcapped scores).
+//
+// Per chunk of up to 16 tokens of one block, per query head:
+// - scores: each key row's dot with the query by vdpbf16ps (pairs of bf16
+//   products summed in float; kD / 32 instructions a key), 16 partial-sum
+//   vectors transpose-reduced to one vector of 16 scores (vec::sum16), then
+//   scaled: no key is widened;
+// - online softmax on that vector, in registers;
+// - values: the chunk's exp'd scores rounded to bf16 (as SDPA's CPU flash
+//   kernel rounds its probabilities before its P.V GEMM), paired by token,
+//   and each pair of value rows interleaved by vpunpck[lh]wd into the token
+//   pairs vdpbf16ps takes (once per kv head, shared by its G query heads):
+//   one instruction adds two tokens' share to 16 output dims.
+// The interleave leaves each accumulator's lanes in a fixed order (dims
+// 8L + i and 8L + 4 + i of each 128-bit quarter L, see out_dim), undone once
+// when the output is written.
+//
+// SmolLM2 (9 query heads, 3 kv heads of 64, bf16), 64 sequences of 192
+// tokens, 2 threads, Zen 4: see attention.cpp's paged_decode for the figures.
+#pragma once
+
+#include "bf16_tile.h"
+#include "vec.h"
+
+#include <limits>
+
+namespace tgi {
+
+// Cache lines to prefetch: the K and V rows of one chunk (lines x 64 bytes from k and v).
+struct Rows {
+  const char *k = nullptr, *v = nullptr;
+  int64_t lines = 0;
+};
+
+#ifdef TGI_BF16_GEMM
+namespace decode_bf16 {
+
+constexpr int64_t kChunk = 16, kMaxHeads = 16;  // query heads a work item holds
+
+// The output dim held by lane `lane` (0..15) of accumulator `a` (0..kD/16-1):
+// accumulators come in pairs (lo, hi) per 32 dims, from unpacklo/unpackhi.
+constexpr int64_t out_dim(int64_t a, int64_t lane) {
+  return 32 * (a / 2) + 8 * (lane / 4) + 4 * (a % 2) + lane % 4;
+}
+
+inline __m512 dp(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+// q [hp * G, D] bf16 (heads contiguous); k_cache/v_cache rows of
+// token_stride elements, this work item's first kv head at offset 0;
+// out [hp * G, D]. softcap must be 0 (the caller keeps softcapped models on
+// decode_heads_vec). kD: 64 or 128.
+template <int64_t kD>
+void heads(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, int64_t block_stride,
+           int64_t token_stride, const int32_t* table, int64_t block_size, int64_t first, int64_t last, int64_t hp,
+           int64_t G, double scale, c10::BFloat16* out, const Rows& after) {
+  constexpr int64_t kP = kD / 32, kA = kD / 16;  // bf16 vectors a head row; float accumulators a head
+  const int64_t QH = hp * G;
+  __m512i qv[kMaxHeads][kP];
+  alignas(64) float acc[kMaxHeads][kA * 16];
+  float m[kMaxHeads], l[kMaxHeads];
+  for (int64_t h = 0; h < QH; ++h) {
+    m[h] = -std::numeric_limits<float>::infinity();
+    l[h] = 0;
+    for (int64_t p = 0; p < kP; ++p) qv[h][p] = _mm512_loadu_si512(q + h * kD + 32 * p);
+    for (int64_t i = 0; i < kA * 16; ++i) acc[h][i] = 0;
+  }
+  const __m512 vscale = _mm512_set1_ps(float(scale));
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t t0 = first; t0 < last;) {
+    const int64_t block = table[t0 / block_size], offset = t0 % block_size;
+    const int64_t n = std::min({kChunk, block_size - offset, last - t0});
+    const c10::BFloat16* kb = k_cache + block * block_stride + offset * token_stride;
+    const c10::BFloat16* vb = v_cache + block * block_stride + offset * token_stride;
+    Rows ahead = after;
+    if (t0 + n < last) {
+      const int64_t next = t0 + n, nblock = table[next / block_size], noff = next % block_size;
+      ahead.lines = (std::min({kChunk, block_size - noff, last - next}) * token_stride * 2 + 63) / 64;
+      ahead.k = reinterpret_cast<const char*>(k_cache + nblock * block_stride + noff * token_stride);
+      ahead.v = reinterpret_cast<const char*>(v_cache + nblock * block_stride + noff * token_stride);
+    }
+    const __mmask16 valid = __mmask16((1u << n) - 1);
+    const int64_t npairs = (n + 1) / 2;
+    // Three passes over the query heads, each pass's heads independent of
+    // one another, so that the core overlaps their dependency chains (one
+    // head's scores -> max -> exp -> P.V in one pass ran at ~0.85
+    // instructions a cycle, latency-bound).
+    // 1. Scores, scaled, lanes past the chunk's end -inf.
+    alignas(64) float scores[kMaxHeads][kChunk];
+    for (int64_t h = 0; h < QH; ++h) {
+      // The next chunk's rows, a share before each query head (as decode_heads_vec).
+      for (int64_t line = h * ahead.lines / QH; line < (h + 1) * ahead.lines / QH; ++line) {
+        __builtin_prefetch(ahead.k + line * 64, 0, 2);
+        __builtin_prefetch(ahead.v + line * 64, 0, 2);
+      }
+      const c10::BFloat16* kh = kb + (h / G) * kD;
+      __m512 a[kChunk];
+#pragma GCC unroll 16
+      for (int64_t t = 0; t < kChunk; ++t) {
+        a[t] = _mm512_setzero_ps();
+        if (t < n) {
+#pragma GCC unroll 4
+          for (int64_t p = 0; p < kP; ++p) a[t] = dp(a[t], qv[h][p], _mm512_loadu_si512(kh + t * token_stride + 32 * p));
+        }
+      }
+      _mm512_store_ps(scores[h], _mm512_mask_blend_ps(valid, neg_inf, _mm512_mul_ps(vec::sum16(a), vscale)));
+    }
+    // 2. The online softmax step: weights as bf16 pairs (token 2i, 2i + 1) and the rescale.
+    alignas(64) int32_t pairs[kMaxHeads][kChunk / 2];
+    float correction[kMaxHeads];
+    for (int64_t h = 0; h < QH; ++h) {
+      const __m512 s = _mm512_load_ps(scores[h]);
+      const float mx = std::max(m[h], _mm512_reduce_max_ps(s));
+      // The first chunk rescales nothing: the accumulators and l are still 0.
+      correction[h] = m[h] == -std::numeric_limits<float>::infinity() ? 0.0f : exp_approx(m[h] - mx);
+      const __m512 p = _mm512_maskz_mov_ps(valid, vec::exp(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
+      l[h] = l[h] * correction[h] + _mm512_reduce_add_ps(p);
+      m[h] = mx;
+      _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[h]), (__m256i)_mm512_cvtneps_pbh(p));
+    }
+    // 3. Values: each kv head's rows interleaved by token pair once (a
+    // missing second token of an odd chunk is a zero row: its weight is 0
+    // too), then its G heads' accumulators, in two sets (even and odd
+    // pairs) for 2 * kA chains in flight.
+    for (int64_t kv = 0; kv < hp; ++kv) {
+      __m512i v2[kChunk / 2][2 * kP];
+      for (int64_t i = 0; i < npairs; ++i) {
+        const c10::BFloat16* r0 = vb + 2 * i * token_stride + kv * kD;
+        const bool second = 2 * i + 1 < n;
+#pragma GCC unroll 4
+        for (int64_t p = 0; p < kP; ++p) {
+          const __m512i a = _mm512_loadu_si512(r0 + 32 * p);
+          const __m512i b = second ? _mm512_loadu_si512(r0 + token_stride + 32 * p) : zero;
+          v2[i][2 * p] = _mm512_unpacklo_epi16(a, b);
+          v2[i][2 * p + 1] = _mm512_unpackhi_epi16(a, b);
+        }
+      }
+      for (int64_t h = kv * G; h < (kv + 1) * G; ++h) {
+        const __m512 c = _mm512_set1_ps(correction[h]);
+        __m512 even[kA], odd[kA];
+#pragma GCC unroll 8
+        for (int64_t j = 0; j < kA; ++j) {
+          even[j] = _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * j), c);
+          odd[j] = _mm512_setzero_ps();
+        }
+        for (int64_t i = 0; i < npairs; ++i) {
+          const __m512i w = _mm512_set1_epi32(pairs[h][i]);
+#pragma GCC unroll 8
+          for (int64_t j = 0; j < kA; ++j) {
+            if (i % 2 == 0)
+              even[j] = dp(even[j], v2[i][j], w);
+            else
+              odd[j] = dp(odd[j], v2[i][j], w);
+          }
+        }
+#pragma GCC unroll 8
+        for (int64_t j = 0; j < kA; ++j) _mm512_store_ps(acc[h] + 16 * j, _mm512_add_ps(even[j], odd[j]));
+      }
+    }
+    t0 += n;
+  }
+  for (int64_t h = 0; h < QH; ++h) {
+    const float inv = 1.0f / l[h];
+    for (int64_t j = 0; j < kA; ++j)
+      for (int64_t lane = 0; lane < 16; ++lane) out[h * kD + out_dim(j, lane)] = st<c10::BFloat16>(acc[h][16 * j + lane] * inv);
+  }
+}
+
+}  // namespace decode_bf16
+#endif
+
+}  // namespace tgi
