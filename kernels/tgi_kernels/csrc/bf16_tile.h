@@ -42,7 +42,7 @@ void tile_sums(const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, float*
 #pragma GCC unroll 2
     for (int b = 0; b < NB; ++b) {
       wv[b] = _mm512_loadu_si512(w + b * block + p * 2 * kLanes);
-      __builtin_prefetch(w + b * block + (p + 8) * 2 * kLanes);
+      __builtin_prefetch(w + b * block + (p + 32) * 2 * kLanes, 0, 2);
     }
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m)

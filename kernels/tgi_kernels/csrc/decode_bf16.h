@@ -20,7 +20,7 @@
 // when the output is written.
 //
 // SmolLM2 (9 query heads, 3 kv heads of 64, bf16), 64 sequences of 192
-// tokens, 2 threads, Zen 4: see attention.cpp's paged_decode for the figures.
+// tokens, 2 threads, Zen 4: README, "The shard".
 #pragma once
 
 #include "bf16_tile.h"

@@ -49,7 +49,7 @@ void tile(const float* x, const float* w, const float* bias, int64_t K, int64_t 
 #pragma GCC unroll 2
     for (int b = 0; b < NB; ++b) {
       wv[b] = lanes(w + b * block + k * kLanes);
-      __builtin_prefetch(w + b * block + (k + 8) * kLanes);
+      __builtin_prefetch(w + b * block + (k + 32) * kLanes, 0, 2);
     }
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m)
