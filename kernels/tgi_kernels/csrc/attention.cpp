@@ -5,6 +5,7 @@
 // took ~1.1 ms a layer, this ~0.1 ms.
 #include "common.h"
 #include "decode_bf16.h"
+#include "decode_rows.h"
 #include "fp8.h"
 #include "vec.h"
 
@@ -150,19 +151,9 @@ void decode_heads_vec(const T* q, const C* k_cache, const C* v_cache, int64_t bl
     const int64_t n = std::min({kChunk, block_size - offset, last - t0});
     const C* kb = k_cache + block * block_stride + offset * token_stride;
     const C* vb = v_cache + block * block_stride + offset * token_stride;
-    // The next chunk's block is anywhere in the cache, where the hardware
-    // prefetcher cannot follow: its rows (first token's onward, one line
-    // each 64 bytes) are asked for while this chunk computes, a share
-    // before each query head: asked all at once (~200 lines), they hid far
-    // less of the misses (a likely cause: more than the core tracks at once).
-    // The last chunk prefetches the next work item's first.
-    Rows ahead = after;
-    if (t0 + n < last) {
-      const int64_t next = t0 + n, nblock = table[next / block_size], noff = next % block_size;
-      ahead.lines = (std::min({kChunk, block_size - noff, last - next}) * token_stride * int64_t(sizeof(C)) + 63) / 64;
-      ahead.k = reinterpret_cast<const char*>(k_cache + nblock * block_stride + noff * token_stride);
-      ahead.v = reinterpret_cast<const char*>(v_cache + nblock * block_stride + noff * token_stride);
-    }
+    // The next chunk's rows (the last chunk's: the next work item's first), asked for a share a head.
+    const Rows ahead = next_chunk(k_cache, v_cache, block_stride, token_stride, table, block_size, kChunk, t0 + n,
+                                  last, after);
     for (int64_t t = 0; t < n; ++t) {
       if constexpr (kFloat) {
         krow[t] = kb + t * token_stride;
@@ -177,10 +168,7 @@ void decode_heads_vec(const T* q, const C* k_cache, const C* v_cache, int64_t bl
       }
     }
     for (int64_t h = 0; h < QH; ++h) {
-      for (int64_t line = h * ahead.lines / QH; line < (h + 1) * ahead.lines / QH; ++line) {
-        __builtin_prefetch(ahead.k + line * 64, 0, 2);
-        __builtin_prefetch(ahead.v + line * 64, 0, 2);
-      }
+      prefetch_share(ahead, h, QH);
       const int64_t kv = (h / G) * D;  // this query head's kv head, within a row
       const float* qh = qf + h * D;
       float correction;
@@ -344,8 +332,7 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
 #if TGI_VEC
       if constexpr (!std::is_same_v<scalar_t, double>) {
         if (D % vec::kWidth == 0) {
-          hp = std::max<int64_t>(1, std::min({KVH, kMaxGroup / G, kMaxRow / D}));
-          while (KVH % hp) --hp;
+          hp = heads_per_item(KVH, std::min(kMaxGroup / G, kMaxRow / D));
           one = D == 64 ? decode_heads_vec<scalar_t, C, 64>
               : D == 128 ? decode_heads_vec<scalar_t, C, 128> : decode_heads_vec<scalar_t, C, 0>;
         }
@@ -355,8 +342,7 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
       // bf16 query and cache: rows read as bf16 by vdpbf16ps (decode_bf16.h).
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
         if ((D == 64 || D == 128) && softcap == 0) {
-          hp = std::max<int64_t>(1, std::min(KVH, decode_bf16::kMaxHeads / G));
-          while (KVH % hp) --hp;
+          hp = heads_per_item(KVH, decode_bf16::kMaxHeads / G);
           one = D == 64 ? decode_heads_bf16<64> : decode_heads_bf16<128>;
         }
       }

@@ -24,17 +24,12 @@
 #pragma once
 
 #include "bf16_tile.h"
+#include "decode_rows.h"
 #include "vec.h"
 
 #include <limits>
 
 namespace tgi {
-
-// Cache lines to prefetch: the K and V rows of one chunk (lines x 64 bytes from k and v).
-struct Rows {
-  const char *k = nullptr, *v = nullptr;
-  int64_t lines = 0;
-};
 
 #ifdef TGI_BF16_GEMM
 namespace decode_bf16 {
@@ -78,13 +73,8 @@ void heads(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFlo
     const int64_t n = std::min({kChunk, block_size - offset, last - t0});
     const c10::BFloat16* kb = k_cache + block * block_stride + offset * token_stride;
     const c10::BFloat16* vb = v_cache + block * block_stride + offset * token_stride;
-    Rows ahead = after;
-    if (t0 + n < last) {
-      const int64_t next = t0 + n, nblock = table[next / block_size], noff = next % block_size;
-      ahead.lines = (std::min({kChunk, block_size - noff, last - next}) * token_stride * 2 + 63) / 64;
-      ahead.k = reinterpret_cast<const char*>(k_cache + nblock * block_stride + noff * token_stride);
-      ahead.v = reinterpret_cast<const char*>(v_cache + nblock * block_stride + noff * token_stride);
-    }
+    const Rows ahead = next_chunk(k_cache, v_cache, block_stride, token_stride, table, block_size, kChunk, t0 + n,
+                                  last, after);
     const __mmask16 valid = __mmask16((1u << n) - 1);
     const int64_t npairs = (n + 1) / 2;
     // Three passes over the query heads, each pass's heads independent of
@@ -94,11 +84,7 @@ void heads(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFlo
     // 1. Scores, scaled, lanes past the chunk's end -inf.
     alignas(64) float scores[kMaxHeads][kChunk];
     for (int64_t h = 0; h < QH; ++h) {
-      // The next chunk's rows, a share before each query head (as decode_heads_vec).
-      for (int64_t line = h * ahead.lines / QH; line < (h + 1) * ahead.lines / QH; ++line) {
-        __builtin_prefetch(ahead.k + line * 64, 0, 2);
-        __builtin_prefetch(ahead.v + line * 64, 0, 2);
-      }
+      prefetch_share(ahead, h, QH);
       const c10::BFloat16* kh = kb + (h / G) * kD;
       __m512 a[kChunk];
 #pragma GCC unroll 16
