@@ -17,6 +17,7 @@ def _exp_block_sums(x, top, temperature, rows, block):
 
 FAKES = {
     "bf16_mm": lambda x, w, n, bias: x.new_empty(x.shape[0], n),
+    "bf16_mm_gated": lambda x, w, n, bias, act: x.new_empty(x.shape[0], n),
     "f32_mm": lambda x, w, n, bias: x.new_empty(x.shape[0], n),
     "int4_gemv": _gemm, "int4_dequant_mm": _gemm, "int4_amx_mm": _gemm, "int4_gemv_int8x": _gemm,
     "int4_bf16_mm": _gemm, "int8_gemv": _gemm,

@@ -1,13 +1,17 @@
 """Our bf16 GEMM (csrc/bf16_gemm.cpp), the dense linears' kernel on CPUs with
 AVX512-BF16 and no AMX: x @ w.T (+ bias) at every row count and shape, each
-row independent of the others, and Linear keeping only its layout."""
+row independent of the others, and Linear keeping only its layout; its gated
+form (bf16_mm_gated, the MLP's gate_up with the activation applied per tile)
+the same bits as the GEMM followed by silu_mul / gelu_tanh_mul."""
 
 import pytest
 import torch
 from torch.nn import functional as F
 
 from tgi_kernels.native import native_ops
+from tgi_server.layers.activation import gated_activation
 from tgi_server.layers.linear import Linear, pack_bf16_lanes
+from tgi_server.layers.mlp import FusedGateUp, GatedMLP
 from tgi_server.model_loader import weight_bytes
 
 ops = native_ops()
@@ -72,3 +76,52 @@ def test_a_bf16_linear_keeps_only_our_layout_and_equals_f_linear():
     with torch.inference_mode():
         assert rel_err(layer(x), F.linear(x.float(), w.float(), bias.float())) < 1e-2
     assert Linear(w[:, :63], None).lanes is None  # an odd number of columns has no pairs
+
+
+def gate_up_in_turn(lanes: torch.Tensor) -> torch.Tensor:
+    """bf16_mm's blocks of gate (first half) and up (second half) as
+    bf16_mm_gated reads them: gate's first, up's first, gate's second, ..."""
+    blocks = lanes.shape[0] // 2
+    return lanes.view(2, blocks, *lanes.shape[1:]).transpose(0, 1).reshape(lanes.shape).contiguous()
+
+
+@pytest.mark.parametrize("act, unfused", [("silu", "silu_mul"), ("gelu_tanh", "gelu_tanh_mul")])
+@pytest.mark.parametrize("rows", [1, 5, 8, 17, 70])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_gated_gemm_gives_the_bits_of_the_gemm_then_the_activation(act, unfused, rows, with_bias):
+    inter = 48  # three blocks of gate, three of up
+    w, x, bias = operands(2 * inter, 96, rows)
+    lanes = pack_bf16_lanes(w)
+    b = bias if with_bias else None
+    want = getattr(ops, unfused)(ops.bf16_mm(x, lanes, 2 * inter, b))
+    got = ops.bf16_mm_gated(x, gate_up_in_turn(lanes), inter, b, act)
+    assert got.shape == (rows, inter) and torch.equal(got, want)
+    gate, up = (x.float() @ w.float().T + (bias.float() if with_bias else 0)).chunk(2, dim=1)
+    ref = (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up
+    assert rel_err(got, ref) < 2e-2
+
+
+def test_the_gated_gemm_checks_its_operands():
+    w, x, _ = operands(40, 96, 2)
+    lanes = pack_bf16_lanes(w)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ops.bf16_mm_gated(x, lanes, 20, None, "silu")
+    w, x, _ = operands(32, 96, 2)
+    with pytest.raises(RuntimeError, match="act must be"):
+        ops.bf16_mm_gated(x, pack_bf16_lanes(w), 16, None, "relu")
+
+
+@pytest.mark.skipif(ops is not None and ops.int4_amx_available(), reason="oneDNN's AMX kernels serve AMX CPUs")
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_the_mlp_runs_gate_up_fused_with_the_same_bits_and_one_copy_of_the_weight(act):
+    w, x, bias = operands(64, 96, 9)
+    down_w = operands(96, 32, 1, seed=1)[0]
+    mlp = GatedMLP(Linear(w, bias), Linear(down_w, None), act)
+    assert isinstance(mlp.fused, FusedGateUp) and mlp.gate_up is None
+    assert weight_bytes(mlp) == 64 * 96 * 2 + 64 * 4 + 96 * 32 * 2  # gate_up's blocks once, its bias in float32
+    unfused = Linear(w, bias)
+    with torch.inference_mode():
+        assert torch.equal(mlp(x), mlp.down(gated_activation(unfused(x), act)))
+        assert torch.equal(mlp(x.view(3, 3, 96)), mlp(x).view(3, 3, 96))
+    # Halves that are not whole blocks keep the GEMM and the activation apart.
+    assert GatedMLP(Linear(w[:40], None), Linear(down_w[:, :20], None), act).fused is None

@@ -17,6 +17,7 @@
 #include "common.h"
 #include "lanes.h"
 #include "bf16_tile.h"
+#include "gated.h"
 
 namespace tgi {
 namespace {
@@ -40,6 +41,39 @@ void gemm(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, int
             tile<mr.value, 2>(x + m0 * K, wb, bias, K, N, n0, y + m0 * N);
           else
             tile<mr.value, 1>(x + m0 * K, wb, bias, K, N, n0, y + m0 * N);
+        });
+      }
+    }
+  });
+}
+
+// y [M, n] = act(x @ gate.T + bias_gate) * (x @ up.T + bias_up), w holding
+// gate's and up's blocks in turn (block 2 j = gate rows 16 j.., 2 j + 1 = up's
+// same rows). Each tile's two sums are rounded to bf16 (+ bias) exactly as
+// gemm stores them, then gated::row runs on them as silu_mul / gelu_tanh_mul
+// would on gemm's output: the same bits without the [M, 2 n] intermediate
+// written and read back, or its own pass over memory.
+template <typename Act>
+void gemm_gated(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, int64_t M, int64_t K, int64_t n,
+                c10::BFloat16* y) {
+  at::parallel_for(0, n / kLanes, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const c10::BFloat16* wb = w + 2 * j * K * kLanes;
+      const __m512 bias_gate = bias ? _mm512_loadu_ps(bias + j * kLanes) : _mm512_setzero_ps();
+      const __m512 bias_up = bias ? _mm512_loadu_ps(bias + n + j * kLanes) : _mm512_setzero_ps();
+      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+        const int rows = int(std::min(kRows, M - m0));
+        lanes16::with_rows<kRows>(rows, [&](auto mr) {
+          constexpr int MR = mr.value;
+          alignas(64) float sums[MR * 2 * kLanes];  // [MR][gate, up][16]
+          bf16_tile::tile_sums<MR, 2>(x + m0 * K, wb, K, sums);
+          for (int m = 0; m < MR; ++m) {
+            alignas(32) c10::BFloat16 gate[kLanes], up[kLanes];
+            const float* s = sums + m * 2 * kLanes;
+            _mm256_store_si256((__m256i*)gate, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(s), bias_gate)));
+            _mm256_store_si256((__m256i*)up, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(s + kLanes), bias_up)));
+            gated::row<Act>(gate, up, y + (m0 + m) * n + j * kLanes, kLanes);
+          }
         });
       }
     }
@@ -81,13 +115,46 @@ at::Tensor bf16_mm(const at::Tensor& x, const at::Tensor& w, int64_t n, const st
   return y;
 }
 
+// x [M, K] bf16 -> act(x @ gate.T + bias[:n]) * (x @ up.T + bias[n:]) [M, n]
+// bf16, n a multiple of 16; w the layout above over gate's and up's 16-row
+// blocks in turn (2 n / 16 blocks: gate's first, up's first, gate's second,
+// ...), bias [2 n] (gate's, then up's; any float dtype); act "silu" or
+// "gelu_tanh". Equal, bit for bit, to silu_mul / gelu_tanh_mul of bf16_mm
+// over the blocks in order gate's then up's.
+at::Tensor bf16_mm_gated(const at::Tensor& x, const at::Tensor& w, int64_t n, const std::optional<at::Tensor>& bias,
+                         const std::string& act) {
+  TORCH_CHECK(bf16_mm_available(), "bf16_mm_gated: no AVX512-BF16 here (see bf16_mm_available)");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous CPU [M, K] bf16 tensor");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 4 && w.is_contiguous() && w.size(2) == 16 &&
+                  w.size(3) == 2 && w.size(1) * 2 == x.size(1),
+              "w must be contiguous [2 n / 16, K / 2, 16, 2] bf16");
+  TORCH_CHECK(n % 16 == 0 && w.size(0) * 16 == 2 * n, "n must be a multiple of 16 and w hold 2 n rows");
+  at::Tensor b32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == 2 * n, "bias must be [2 n]");
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  auto y = at::empty({x.size(0), n}, x.options());
+#ifdef TGI_BF16_GEMM
+  gated::with_act(act, [&](auto a) {
+    gemm_gated<decltype(a)>(x.const_data_ptr<c10::BFloat16>(), w.const_data_ptr<c10::BFloat16>(),
+                            b32.defined() ? b32.const_data_ptr<float>() : nullptr, x.size(0), x.size(1), n,
+                            y.mutable_data_ptr<c10::BFloat16>());
+  });
+#endif
+  return y;
+}
+
 }  // namespace tgi
 
 TORCH_LIBRARY_FRAGMENT(tgi, m) {
   m.def("bf16_mm(Tensor x, Tensor w, int n, Tensor? bias) -> Tensor");
+  m.def("bf16_mm_gated(Tensor x, Tensor w, int n, Tensor? bias, str act) -> Tensor");
   m.def("bf16_mm_available() -> bool", tgi::bf16_mm_available);
 }
 
 TORCH_LIBRARY_IMPL(tgi, CPU, m) {
   m.impl("bf16_mm", tgi::bf16_mm);
+  m.impl("bf16_mm_gated", tgi::bf16_mm_gated);
 }
