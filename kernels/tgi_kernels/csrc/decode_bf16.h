@@ -9,12 +9,14 @@
 //   products summed in float; kD / 32 instructions a key), 16 partial-sum
 //   vectors transpose-reduced to one vector of 16 scores (vec::sum16), then
 //   scaled: no key is widened;
-// - online softmax on that vector, in registers;
+// - online softmax on that vector, in registers; the denominator kept as a
+//   vector of lane sums, summed once at the end;
 // - values: the chunk's exp'd scores rounded to bf16 (as SDPA's CPU flash
 //   kernel rounds its probabilities before its P.V GEMM), paired by token,
 //   and each pair of value rows interleaved by vpunpck[lh]wd into the token
-//   pairs vdpbf16ps takes (once per kv head, shared by its G query heads):
-//   one instruction adds two tokens' share to 16 output dims.
+//   pairs vdpbf16ps takes (once per group of query heads of a kv head whose
+//   accumulators fit in 16 registers, pv_group): one instruction adds two
+//   tokens' share to 16 output dims.
 // The interleave leaves each accumulator's lanes in a fixed order (dims
 // 8L + i and 8L + 4 + i of each 128-bit quarter L, see out_dim), undone once
 // when the output is written.
@@ -36,14 +38,75 @@ namespace decode_bf16 {
 
 constexpr int64_t kChunk = 16, kMaxHeads = 16;  // query heads a work item holds
 
+inline __m512 dp(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
 // The output dim held by lane `lane` (0..15) of accumulator `a` (0..kD/16-1):
 // accumulators come in pairs (lo, hi) per 32 dims, from unpacklo/unpackhi.
 constexpr int64_t out_dim(int64_t a, int64_t lane) {
   return 32 * (a / 2) + 8 * (lane / 4) + 4 * (a % 2) + lane % 4;
 }
 
-inline __m512 dp(__m512 acc, __m512i a, __m512i b) {
-  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+// P.V of one chunk (n tokens of value rows from vb, token_stride apart) for
+// the GS query heads h0.. of one kv head: their accumulators acc[h] (kD / 16
+// vectors a head) rescaled by correction[h], then held in registers while
+// each token pair's value rows are interleaved once (a missing second token
+// of an odd chunk is a zero row: its weight is 0 too) and added with the
+// heads' bf16 weight pairs (pairs[h][i] = tokens 2i, 2i + 1). With fewer
+// than 12 accumulators (dependency chains: vdpbf16ps's latency x its two
+// ports) even and odd pairs go to two sets, added at the end. Before, one
+// pass interleaved all of a kv head's pairs into 32 vectors that spilled to
+// the stack and every head reloaded them (README, "The shard").
+template <int64_t kD, int GS>
+void pv_group(const c10::BFloat16* vb, int64_t token_stride, int64_t n, int64_t h0, const float* correction,
+              const int32_t (*pairs)[kChunk / 2], float (*acc)[kD]) {
+  constexpr int64_t kP = kD / 32, kA = kD / 16;
+  constexpr int kSets = GS * kA < 12 ? 2 : 1;
+  __m512 x[kSets][GS][kA];
+#pragma GCC unroll 16
+  for (int g = 0; g < GS; ++g) {
+    const __m512 c = _mm512_set1_ps(correction[h0 + g]);
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < kA; ++j) {
+      x[0][g][j] = _mm512_mul_ps(_mm512_load_ps(acc[h0 + g] + 16 * j), c);
+      if constexpr (kSets == 2) x[1][g][j] = _mm512_setzero_ps();
+    }
+  }
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t i = 0; 2 * i < n; ++i) {
+    const c10::BFloat16* r0 = vb + 2 * i * token_stride;
+    const bool second = 2 * i + 1 < n;
+    __m512i v2[2 * kP];
+#pragma GCC unroll 4
+    for (int64_t p = 0; p < kP; ++p) {
+      const __m512i a = _mm512_loadu_si512(r0 + 32 * p);
+      const __m512i b = second ? _mm512_loadu_si512(r0 + token_stride + 32 * p) : zero;
+      v2[2 * p] = _mm512_unpacklo_epi16(a, b);
+      v2[2 * p + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+    __m512 (*set)[kA] = x[kSets == 2 ? i % 2 : 0];
+#pragma GCC unroll 16
+    for (int g = 0; g < GS; ++g) {
+      const __m512i w = _mm512_set1_epi32(pairs[h0 + g][i]);
+#pragma GCC unroll 8
+      for (int64_t j = 0; j < kA; ++j) set[g][j] = dp(set[g][j], v2[j], w);
+    }
+  }
+#pragma GCC unroll 16
+  for (int g = 0; g < GS; ++g)
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < kA; ++j)
+      _mm512_store_ps(acc[h0 + g] + 16 * j, kSets == 2 ? _mm512_add_ps(x[0][g][j], x[kSets - 1][g][j]) : x[0][g][j]);
+}
+
+// f(std::integral_constant<int, n>) for 1 <= n <= R.
+template <int R, typename F>
+void with_count(int n, F&& f) {
+  if constexpr (R > 1) {
+    if (n < R) return with_count<R - 1>(n, f);
+  }
+  f(std::integral_constant<int, R>{});
 }
 
 // q [hp * G, D] bf16 (heads contiguous); k_cache/v_cache rows of
@@ -55,19 +118,20 @@ void heads(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFlo
            int64_t token_stride, const int32_t* table, int64_t block_size, int64_t first, int64_t last, int64_t hp,
            int64_t G, double scale, c10::BFloat16* out, const Rows& after) {
   constexpr int64_t kP = kD / 32, kA = kD / 16;  // bf16 vectors a head row; float accumulators a head
+  constexpr int kGroup = int(16 / kA);           // query heads whose accumulators fit in 16 registers
   const int64_t QH = hp * G;
   __m512i qv[kMaxHeads][kP];
-  alignas(64) float acc[kMaxHeads][kA * 16];
-  float m[kMaxHeads], l[kMaxHeads];
+  alignas(64) float acc[kMaxHeads][kD];
+  float m[kMaxHeads];
+  __m512 l[kMaxHeads];  // the softmax denominators' lane sums
   for (int64_t h = 0; h < QH; ++h) {
     m[h] = -std::numeric_limits<float>::infinity();
-    l[h] = 0;
+    l[h] = _mm512_setzero_ps();
     for (int64_t p = 0; p < kP; ++p) qv[h][p] = _mm512_loadu_si512(q + h * kD + 32 * p);
-    for (int64_t i = 0; i < kA * 16; ++i) acc[h][i] = 0;
+    for (int64_t i = 0; i < kD; ++i) acc[h][i] = 0;
   }
   const __m512 vscale = _mm512_set1_ps(float(scale));
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512i zero = _mm512_setzero_si512();
   for (int64_t t0 = first; t0 < last;) {
     const int64_t block = table[t0 / block_size], offset = t0 % block_size;
     const int64_t n = std::min({kChunk, block_size - offset, last - t0});
@@ -76,7 +140,6 @@ void heads(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFlo
     const Rows ahead = next_chunk(k_cache, v_cache, block_stride, token_stride, table, block_size, kChunk, t0 + n,
                                   last, after);
     const __mmask16 valid = __mmask16((1u << n) - 1);
-    const int64_t npairs = (n + 1) / 2;
     // Three passes over the query heads, each pass's heads independent of
     // one another, so that the core overlaps their dependency chains (one
     // head's scores -> max -> exp -> P.V in one pass ran at ~0.85
@@ -106,53 +169,20 @@ void heads(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFlo
       // The first chunk rescales nothing: the accumulators and l are still 0.
       correction[h] = m[h] == -std::numeric_limits<float>::infinity() ? 0.0f : exp_approx(m[h] - mx);
       const __m512 p = _mm512_maskz_mov_ps(valid, vec::exp(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
-      l[h] = l[h] * correction[h] + _mm512_reduce_add_ps(p);
+      l[h] = _mm512_fmadd_ps(l[h], _mm512_set1_ps(correction[h]), p);
       m[h] = mx;
       _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[h]), (__m256i)_mm512_cvtneps_pbh(p));
     }
-    // 3. Values: each kv head's rows interleaved by token pair once (a
-    // missing second token of an odd chunk is a zero row: its weight is 0
-    // too), then its G heads' accumulators, in two sets (even and odd
-    // pairs) for 2 * kA chains in flight.
-    for (int64_t kv = 0; kv < hp; ++kv) {
-      __m512i v2[kChunk / 2][2 * kP];
-      for (int64_t i = 0; i < npairs; ++i) {
-        const c10::BFloat16* r0 = vb + 2 * i * token_stride + kv * kD;
-        const bool second = 2 * i + 1 < n;
-#pragma GCC unroll 4
-        for (int64_t p = 0; p < kP; ++p) {
-          const __m512i a = _mm512_loadu_si512(r0 + 32 * p);
-          const __m512i b = second ? _mm512_loadu_si512(r0 + token_stride + 32 * p) : zero;
-          v2[i][2 * p] = _mm512_unpacklo_epi16(a, b);
-          v2[i][2 * p + 1] = _mm512_unpackhi_epi16(a, b);
-        }
-      }
-      for (int64_t h = kv * G; h < (kv + 1) * G; ++h) {
-        const __m512 c = _mm512_set1_ps(correction[h]);
-        __m512 even[kA], odd[kA];
-#pragma GCC unroll 8
-        for (int64_t j = 0; j < kA; ++j) {
-          even[j] = _mm512_mul_ps(_mm512_load_ps(acc[h] + 16 * j), c);
-          odd[j] = _mm512_setzero_ps();
-        }
-        for (int64_t i = 0; i < npairs; ++i) {
-          const __m512i w = _mm512_set1_epi32(pairs[h][i]);
-#pragma GCC unroll 8
-          for (int64_t j = 0; j < kA; ++j) {
-            if (i % 2 == 0)
-              even[j] = dp(even[j], v2[i][j], w);
-            else
-              odd[j] = dp(odd[j], v2[i][j], w);
-          }
-        }
-#pragma GCC unroll 8
-        for (int64_t j = 0; j < kA; ++j) _mm512_store_ps(acc[h] + 16 * j, _mm512_add_ps(even[j], odd[j]));
-      }
-    }
+    // 3. Values, a group of each kv head's query heads at a time.
+    for (int64_t kv = 0; kv < hp; ++kv)
+      for (int64_t h0 = kv * G; h0 < (kv + 1) * G; h0 += kGroup)
+        with_count<kGroup>(int(std::min<int64_t>(kGroup, (kv + 1) * G - h0)), [&](auto gs) {
+          pv_group<kD, gs.value>(vb + kv * kD, token_stride, n, h0, correction, pairs, acc);
+        });
     t0 += n;
   }
   for (int64_t h = 0; h < QH; ++h) {
-    const float inv = 1.0f / l[h];
+    const float inv = 1.0f / _mm512_reduce_add_ps(l[h]);
     for (int64_t j = 0; j < kA; ++j)
       for (int64_t lane = 0; lane < 16; ++lane) out[h * kD + out_dim(j, lane)] = st<c10::BFloat16>(acc[h][16 * j + lane] * inv);
   }
