@@ -11,9 +11,11 @@
 // (kKeys independent accumulators, no horizontal sums), the causal/window
 // mask and the online softmax run across rows lane-wise, and P.V broadcasts
 // each probability over a value row. The G query heads of the kv head share
-// each key/value row, widened to float once per tile.
+// each key/value row, widened to float once per tile. A bf16 query over bf16
+// keys takes prefill_bf16.h's tile instead where the CPU has AVX512-BF16.
 #include "common.h"
 #include "fp8.h"
+#include "prefill_bf16.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -45,6 +47,15 @@ struct Keys {
     const int64_t end = t0 < prefix ? std::min(prefix, t0 - t0 % block_size + block_size) : last;
     return std::min({kKeys, end - t0, last - t0});
   }
+  // The key and value rows of position t, where the cache holds T (C == T).
+  std::pair<const T*, const T*> rows(int64_t t) const {
+    static_assert(std::is_same_v<T, C>);
+    if (t < prefix) {
+      const int64_t at = table[t / block_size] * block_stride + (t % block_size) * token_stride;
+      return {k_cache + at, v_cache + at};
+    }
+    return {key + (t - prefix) * key_stride, value + (t - prefix) * value_stride};
+  }
   // The key and value of position t as floats: D each into kw and vw.
   void widen_row(int64_t t, int64_t D, float* kw, float* vw) const {
     if (t < prefix) {
@@ -58,7 +69,7 @@ struct Keys {
   }
 };
 
-// Floats of scratch a tile needs (see prefill_tile).
+// Floats of scratch a tile needs (see prefill_tile; prefill_bf16.h's tile needs fewer).
 inline int64_t scratch_floats(int64_t G, int64_t D) { return 2 * G * D * kRows + 2 * G * kRows + 2 * kKeys * D; }
 
 // One tile: `rows` (<= kRows) query rows at positions pos0.., the G query
@@ -189,6 +200,18 @@ void prefill_tile(const T* q, int64_t q_stride, const Keys<T, C>& keys, int64_t 
     }
 }
 
+#ifdef TGI_BF16_GEMM
+static_assert(prefill_bf16::kRows == kRows && prefill_bf16::kKeys == kKeys, "the tiles are the same size");
+
+// prefill_bf16::tile in prefill_tile's signature (softcap is 0 there: checked by the caller).
+template <int64_t kD>
+void prefill_tile_bf16(const c10::BFloat16* q, int64_t q_stride, const Keys<c10::BFloat16, c10::BFloat16>& keys,
+                       int64_t pos0, int64_t rows, int64_t window, int64_t G, int64_t /*head_dim*/, float scale,
+                       float /*softcap*/, c10::BFloat16* out, int64_t out_stride, float* scratch) {
+  prefill_bf16::tile<kD>(q, q_stride, keys, pos0, rows, window, G, scale, out, out_stride, scratch);
+}
+#endif
+
 }  // namespace
 
 // query [T, H, D], key/value [T, KVH, D] (rows may be strided, heads and
@@ -261,6 +284,12 @@ at::Tensor varlen_prefill(const at::Tensor& query, const at::Tensor& key, const 
         scalar_t* op = out.mutable_data_ptr<scalar_t>();
         auto one = D == 64 ? prefill_tile<scalar_t, C, 64>
                  : D == 128 ? prefill_tile<scalar_t, C, 128> : prefill_tile<scalar_t, C, 0>;
+#ifdef TGI_BF16_GEMM
+        // bf16 query, keys and cache: nothing widened before it is multiplied (prefill_bf16.h).
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
+          if ((D == 64 || D == 128) && softcap == 0) one = D == 64 ? prefill_tile_bf16<64> : prefill_tile_bf16<128>;
+        }
+#endif
         // Little work in all (a few short chunks): stay on this thread rather than wake the pool.
         const int64_t threads = work * G * D < (1 << 16) ? 1 : std::min<int64_t>(at::get_num_threads(), tiles.size());
         at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
