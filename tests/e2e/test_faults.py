@@ -130,11 +130,18 @@ def test_a_hung_shard_fails_every_request_at_the_step_deadline_and_the_launcher_
     proc, url = launch(path, tmp / "hung", "--step-timeout", "2")
     shard = int(subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()[0])
     outcomes: dict[str, str] = {}
+    # Set by each stream at its first token: the hang must come mid-generation,
+    # and a fixed sleep lets a fast step finish all 900 tokens first.
+    started = {"stream": threading.Event(), "chat stream": threading.Event()}
 
     def streaming(name: str, route: str, body: dict):
         with httpx.stream("POST", url + route, json=body, timeout=60) as r:
-            last = [line for line in r.iter_lines() if line.startswith("data:")][-1]
-        outcomes[name] = last
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line)
+                    started[name].set()
+        outcomes[name] = events[-1]
 
     def plain(name: str, route: str, body: dict):
         r = httpx.post(url + route, json=body, timeout=60)
@@ -148,7 +155,7 @@ def test_a_hung_shard_fails_every_request_at_the_step_deadline_and_the_launcher_
     try:
         for t in threads:
             t.start()
-        time.sleep(1.0)  # generating
+        assert all(e.wait(30) for e in started.values())
         os.kill(shard, signal.SIGSTOP)
         stopped = time.monotonic()
         for t in threads:
