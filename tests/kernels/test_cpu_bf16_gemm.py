@@ -56,6 +56,25 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_batch():
         assert torch.equal(ops.bf16_mm(x[i:i + 1].contiguous(), lanes, 960, None)[0], batched[i])
 
 
+@pytest.mark.parametrize("threads", [2, 3, 7])
+def test_any_thread_count_gives_every_column_once_and_the_same_bits(threads):
+    """Threads take column blocks from their own share and steal the back
+    half of another's (csrc/steal.h): more threads than this machine's cores
+    get preempted mid-share and robbed, and the output is still one thread's."""
+    w, x, bias = operands(49152 // 8, 576, 9)  # 192 pairs of blocks
+    lanes, gated = pack_bf16_lanes(w), gate_up_in_turn(pack_bf16_lanes(w))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = ops.bf16_mm(x, lanes, w.shape[0], bias), ops.bf16_mm_gated(x, gated, w.shape[0] // 2, bias, "silu")
+        torch.set_num_threads(threads)
+        for _ in range(20):
+            assert torch.equal(ops.bf16_mm(x, lanes, w.shape[0], bias), want[0])
+            assert torch.equal(ops.bf16_mm_gated(x, gated, w.shape[0] // 2, bias, "silu"), want[1])
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_kernel_checks_its_operands():
     w, x, _ = operands(48, 96, 2)
     lanes = pack_bf16_lanes(w)

@@ -7,6 +7,7 @@
 #include "decode_bf16.h"
 #include "decode_rows.h"
 #include "fp8.h"
+#include "steal.h"
 #include "vec.h"
 
 #include <cmath>
@@ -348,27 +349,33 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
       }
 #endif
       const int64_t parts = KVH / hp;
-      at::parallel_for(0, B * parts, small ? B * parts : 1, [&](int64_t begin, int64_t end) {
-        auto first_key = [&](int64_t b) {
-          return sliding_window > 0 ? std::max<int64_t>(0, lens[b] - sliding_window) : int64_t(0);
-        };
-        for (int64_t i = begin; i < end; ++i) {
-          const int64_t b = i / parts, h = (i % parts) * hp;
-          Rows after;
-          if (i + 1 < end) {
-            const int64_t nb = (i + 1) / parts, nh = ((i + 1) % parts) * hp, nf = first_key(nb);
-            const int64_t offset = (int64_t(tables[nb * width + nf / block_size]) * block_size + nf % block_size) * KVH * D
-                                   + nh * D;
-            // its first chunk: up to 16 tokens (decode_heads_vec's kChunk) within its first block
-            const int64_t tokens = std::min<int64_t>({16, block_size - nf % block_size, lens[nb] - nf});
-            after = {reinterpret_cast<const char*>(kp + offset), reinterpret_cast<const char*>(vp + offset),
-                     (((tokens - 1) * KVH * D + hp * D) * int64_t(sizeof(C)) + 63) / 64};
-          }
-          one(qp + b * query.stride(0) + h * G * D, kp + h * D, vp + h * D, block_size * KVH * D, KVH * D,
-              tables + b * width, block_size, first_key(b), lens[b], hp, G, D, scale, softcap, op + (b * H + h * G) * D,
-              after);
+      auto first_key = [&](int64_t b) {
+        return sliding_window > 0 ? std::max<int64_t>(0, lens[b] - sliding_window) : int64_t(0);
+      };
+      const int64_t items = B * parts;
+      auto item = [&](int64_t i) {
+        const int64_t b = i / parts, h = (i % parts) * hp;
+        // The next item, the one this thread most likely takes next (the
+        // front of its share): its first chunk's lines, prefetched meanwhile.
+        Rows after;
+        if (i + 1 < items) {
+          const int64_t nb = (i + 1) / parts, nh = ((i + 1) % parts) * hp, nf = first_key(nb);
+          const int64_t offset = (int64_t(tables[nb * width + nf / block_size]) * block_size + nf % block_size) * KVH * D
+                                 + nh * D;
+          // its first chunk: up to 16 tokens (decode_heads_vec's kChunk) within its first block
+          const int64_t tokens = std::min<int64_t>({16, block_size - nf % block_size, lens[nb] - nf});
+          after = {reinterpret_cast<const char*>(kp + offset), reinterpret_cast<const char*>(vp + offset),
+                   (((tokens - 1) * KVH * D + hp * D) * int64_t(sizeof(C)) + 63) / 64};
         }
-      });
+        one(qp + b * query.stride(0) + h * G * D, kp + h * D, vp + h * D, block_size * KVH * D, KVH * D,
+            tables + b * width, block_size, first_key(b), lens[b], hp, G, D, scale, softcap, op + (b * H + h * G) * D,
+            after);
+      };
+      if (small) {
+        for (int64_t i = 0; i < items; ++i) item(i);
+      } else {
+        parallel_steal(items, item);
+      }
     });
   });
   return out;

@@ -18,6 +18,7 @@
 #include "lanes.h"
 #include "bf16_tile.h"
 #include "gated.h"
+#include "steal.h"
 
 namespace tgi {
 namespace {
@@ -30,19 +31,17 @@ using bf16_tile::tile;
 void gemm(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, int64_t M, int64_t K, int64_t N,
           int64_t blocks, c10::BFloat16* y) {
   // Pairs of blocks (32 columns) to the threads; an odd last block goes alone.
-  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t b = 2 * pair, n0 = b * kLanes;
-      const c10::BFloat16* wb = w + b * K * kLanes;
-      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-        const int rows = int(std::min(kRows, M - m0));
-        lanes16::with_rows<kRows>(rows, [&](auto mr) {
-          if (b + 1 < blocks)
-            tile<mr.value, 2>(x + m0 * K, wb, bias, K, N, n0, y + m0 * N);
-          else
-            tile<mr.value, 1>(x + m0 * K, wb, bias, K, N, n0, y + m0 * N);
-        });
-      }
+  parallel_steal((blocks + 1) / 2, [&](int64_t pair) {
+    const int64_t b = 2 * pair, n0 = b * kLanes;
+    const c10::BFloat16* wb = w + b * K * kLanes;
+    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+      const int rows = int(std::min(kRows, M - m0));
+      lanes16::with_rows<kRows>(rows, [&](auto mr) {
+        if (b + 1 < blocks)
+          tile<mr.value, 2>(x + m0 * K, wb, bias, K, N, n0, y + m0 * N);
+        else
+          tile<mr.value, 1>(x + m0 * K, wb, bias, K, N, n0, y + m0 * N);
+      });
     }
   });
 }
@@ -56,26 +55,24 @@ void gemm(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, int
 template <typename Act>
 void gemm_gated(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, int64_t M, int64_t K, int64_t n,
                 c10::BFloat16* y) {
-  at::parallel_for(0, n / kLanes, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const c10::BFloat16* wb = w + 2 * j * K * kLanes;
-      const __m512 bias_gate = bias ? _mm512_loadu_ps(bias + j * kLanes) : _mm512_setzero_ps();
-      const __m512 bias_up = bias ? _mm512_loadu_ps(bias + n + j * kLanes) : _mm512_setzero_ps();
-      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-        const int rows = int(std::min(kRows, M - m0));
-        lanes16::with_rows<kRows>(rows, [&](auto mr) {
-          constexpr int MR = mr.value;
-          alignas(64) float sums[MR * 2 * kLanes];  // [MR][gate, up][16]
-          bf16_tile::tile_sums<MR, 2>(x + m0 * K, wb, K, sums);
-          for (int m = 0; m < MR; ++m) {
-            alignas(32) c10::BFloat16 gate[kLanes], up[kLanes];
-            const float* s = sums + m * 2 * kLanes;
-            _mm256_store_si256((__m256i*)gate, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(s), bias_gate)));
-            _mm256_store_si256((__m256i*)up, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(s + kLanes), bias_up)));
-            gated::row<Act>(gate, up, y + (m0 + m) * n + j * kLanes, kLanes);
-          }
-        });
-      }
+  parallel_steal(n / kLanes, [&](int64_t j) {
+    const c10::BFloat16* wb = w + 2 * j * K * kLanes;
+    const __m512 bias_gate = bias ? _mm512_loadu_ps(bias + j * kLanes) : _mm512_setzero_ps();
+    const __m512 bias_up = bias ? _mm512_loadu_ps(bias + n + j * kLanes) : _mm512_setzero_ps();
+    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+      const int rows = int(std::min(kRows, M - m0));
+      lanes16::with_rows<kRows>(rows, [&](auto mr) {
+        constexpr int MR = mr.value;
+        alignas(64) float sums[MR * 2 * kLanes];  // [MR][gate, up][16]
+        bf16_tile::tile_sums<MR, 2>(x + m0 * K, wb, K, sums);
+        for (int m = 0; m < MR; ++m) {
+          alignas(32) c10::BFloat16 gate[kLanes], up[kLanes];
+          const float* s = sums + m * 2 * kLanes;
+          _mm256_store_si256((__m256i*)gate, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(s), bias_gate)));
+          _mm256_store_si256((__m256i*)up, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(s + kLanes), bias_up)));
+          gated::row<Act>(gate, up, y + (m0 + m) * n + j * kLanes, kLanes);
+        }
+      });
     }
   });
 }

@@ -14,6 +14,7 @@
 // logits do not depend on the batch it is in.
 #include "common.h"
 #include "lanes.h"
+#include "steal.h"
 
 namespace tgi {
 namespace {
@@ -73,27 +74,25 @@ void gemm(const float* x, const float* w, const float* bias, int64_t M, int64_t 
           float* y) {
   if (M == 0) return;  // (a step in which no sequence samples has no logits rows)
   const int64_t units = (blocks + kTileBlocks - 1) / kTileBlocks;
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t b = u * kTileBlocks, nb = std::min<int64_t>(kTileBlocks, blocks - b);
-      const float* wb = w + b * K * kLanes;
-      // The first tile takes kTileRows rows: it reads the block from memory,
-      // and more rows give its loads more time; the rest are dealt evenly
-      // over the fewest tiles (32 rows: 6, 6, 5, 5, 5, 5, not 6 x 5 + 2), as
-      // a tile of 5 rows runs about as long as one of 6 (from cache), and
-      // one of 2 keeps too few multiply-add chains in flight.
-      const int64_t rest = std::max<int64_t>(0, M - kTileRows), tiles = 1 + (rest + kTileRows - 1) / kTileRows;
-      for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
-        const int rows = int(t == 0 ? std::min<int64_t>(M, kTileRows)
-                                    : rest / (tiles - 1) + (t - 1 < rest % (tiles - 1)));
-        with_rows<kTileRows>(rows, [&](auto mr) {
-          if constexpr (kTileBlocks == 2) {
-            if (nb == 2) return tile<mr.value, 2>(x + m0 * K, wb, bias, K, N, b * kLanes, y + m0 * N);
-          }
-          tile<mr.value, 1>(x + m0 * K, wb, bias, K, N, b * kLanes, y + m0 * N);
-        });
-        m0 += rows;
-      }
+  parallel_steal(units, [&](int64_t u) {
+    const int64_t b = u * kTileBlocks, nb = std::min<int64_t>(kTileBlocks, blocks - b);
+    const float* wb = w + b * K * kLanes;
+    // The first tile takes kTileRows rows: it reads the block from memory,
+    // and more rows give its loads more time; the rest are dealt evenly
+    // over the fewest tiles (32 rows: 6, 6, 5, 5, 5, 5, not 6 x 5 + 2), as
+    // a tile of 5 rows runs about as long as one of 6 (from cache), and
+    // one of 2 keeps too few multiply-add chains in flight.
+    const int64_t rest = std::max<int64_t>(0, M - kTileRows), tiles = 1 + (rest + kTileRows - 1) / kTileRows;
+    for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
+      const int rows = int(t == 0 ? std::min<int64_t>(M, kTileRows)
+                                  : rest / (tiles - 1) + (t - 1 < rest % (tiles - 1)));
+      with_rows<kTileRows>(rows, [&](auto mr) {
+        if constexpr (kTileBlocks == 2) {
+          if (nb == 2) return tile<mr.value, 2>(x + m0 * K, wb, bias, K, N, b * kLanes, y + m0 * N);
+        }
+        tile<mr.value, 1>(x + m0 * K, wb, bias, K, N, b * kLanes, y + m0 * N);
+      });
+      m0 += rows;
     }
   });
 }

@@ -30,6 +30,7 @@
 #include "common.h"
 #include "int4_vnni.h"
 #include "lanes.h"
+#include "steal.h"
 
 #include <type_traits>
 #include <vector>
@@ -205,21 +206,20 @@ void dequantize_lanes(const uint8_t* q, const c10::BFloat16* so, const Int4Shape
 void bf16_mm_dequantized(const c10::BFloat16* x, const uint8_t* packed, const c10::BFloat16* so, const Int4Shape& s,
                          c10::BFloat16* y) {
   using bf16_tile::kRows;
-  at::parallel_for(0, (s.blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    std::vector<c10::BFloat16> scratch(2 * s.K * kLanes);
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t b = 2 * pair, nb = std::min<int64_t>(2, s.blocks - b);
-      for (int64_t i = 0; i < nb; ++i)
-        dequantize_lanes(packed + (b + i) * (s.K / 2) * kLanes, so + (b + i) * s.G * 2 * kLanes, s,
-                         scratch.data() + i * s.K * kLanes);
-      for (int64_t m0 = 0; m0 < s.M; m0 += kRows) {
-        with_rows<kRows>(int(std::min(kRows, s.M - m0)), [&](auto mr) {
-          if (nb == 2)
-            bf16_tile::tile<mr.value, 2>(x + m0 * s.K, scratch.data(), nullptr, s.K, s.N, b * kLanes, y + m0 * s.N);
-          else
-            bf16_tile::tile<mr.value, 1>(x + m0 * s.K, scratch.data(), nullptr, s.K, s.N, b * kLanes, y + m0 * s.N);
-        });
-      }
+  parallel_steal((s.blocks + 1) / 2, [&](int64_t pair) {
+    thread_local std::vector<c10::BFloat16> scratch;
+    scratch.resize(2 * s.K * kLanes);
+    const int64_t b = 2 * pair, nb = std::min<int64_t>(2, s.blocks - b);
+    for (int64_t i = 0; i < nb; ++i)
+      dequantize_lanes(packed + (b + i) * (s.K / 2) * kLanes, so + (b + i) * s.G * 2 * kLanes, s,
+                       scratch.data() + i * s.K * kLanes);
+    for (int64_t m0 = 0; m0 < s.M; m0 += kRows) {
+      with_rows<kRows>(int(std::min(kRows, s.M - m0)), [&](auto mr) {
+        if (nb == 2)
+          bf16_tile::tile<mr.value, 2>(x + m0 * s.K, scratch.data(), nullptr, s.K, s.N, b * kLanes, y + m0 * s.N);
+        else
+          bf16_tile::tile<mr.value, 1>(x + m0 * s.K, scratch.data(), nullptr, s.K, s.N, b * kLanes, y + m0 * s.N);
+      });
     }
   });
 }
