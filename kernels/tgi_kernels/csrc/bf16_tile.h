@@ -25,10 +25,27 @@ inline __m512 dp(__m512 acc, __m512i w, const c10::BFloat16* x) {
   return acc;
 }
 
+// 64-byte lines to prefetch into L2 while a tile runs, one per k-pair
+// step: a slice of the blocks the thread takes next.
+struct Ahead {
+  const char* lines = nullptr;
+  int64_t count = 0;
+};
+
+// Ahead for row tile t of `tiles` over some blocks: the t-th slice of the
+// nb blocks at `next`, those the thread takes after them, so that all the
+// row tiles together load them; none for a single tile (it streams its own
+// weights, prefetching within them).
+inline Ahead ahead_slice(const c10::BFloat16* next, int64_t nb, int64_t K, int64_t t, int64_t tiles) {
+  if (tiles < 2 || nb == 0) return {};
+  const int64_t lines = nb * K * kLanes * 2 / 64, begin = lines * t / tiles, end = lines * (t + 1) / tiles;
+  return {reinterpret_cast<const char*>(next) + begin * 64, end - begin};
+}
+
 // MR rows of x (row stride K) against NB consecutive blocks from w (each
 // K * 16 elements) -> sums [MR, NB * 16] in float.
 template <int MR, int NB>
-void tile_sums(const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, float* sums) {
+void tile_sums(const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, float* sums, Ahead ahead = {}) {
   // Unrolled in full (GCC unrolls these loops only partly by itself): the
   // accumulators then live in registers, not on the stack (2.5x slower).
   __m512 acc[MR][NB];
@@ -44,8 +61,9 @@ void tile_sums(const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, float*
       wv[b] = _mm512_loadu_si512(w + b * block + p * 2 * kLanes);
       // 32 lines (2 KB) ahead, into L2: into L1 (prefetcht0) they filled the
       // core's few L1 miss buffers and one row ran 15-25% slower (README).
-      __builtin_prefetch(w + b * block + (p + 32) * 2 * kLanes, 0, 2);
+      if (!ahead.lines) __builtin_prefetch(w + b * block + (p + 32) * 2 * kLanes, 0, 2);
     }
+    if (p < ahead.count) __builtin_prefetch(ahead.lines + p * 64, 0, 2);
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 2
@@ -61,9 +79,9 @@ void tile_sums(const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, float*
 // valid columns of the last block only), bias added before rounding.
 template <int MR, int NB>
 void tile(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, int64_t K, int64_t N, int64_t n0,
-          c10::BFloat16* y) {
+          c10::BFloat16* y, Ahead ahead = {}) {
   alignas(64) float sums[MR * NB * kLanes];
-  tile_sums<MR, NB>(x, w, K, sums);
+  tile_sums<MR, NB>(x, w, K, sums, ahead);
   for (int b = 0; b < NB; ++b) {
     const int64_t col = n0 + b * kLanes, valid = std::min(kLanes, N - col);
     const __mmask16 mask = __mmask16((1u << valid) - 1);
