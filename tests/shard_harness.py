@@ -4,6 +4,7 @@ scheduler to completion."""
 
 import asyncio
 import os
+import random
 import shutil
 import socket as socketlib
 import subprocess
@@ -180,9 +181,26 @@ class InProcessShard:
 
 
 def free_port() -> int:
-    with socketlib.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, drawn below the kernel's ephemeral range
+    (/proc/sys/net/ipv4/ip_local_port_range). Gloo's listening sockets and
+    every outgoing connection take ports from that range, so a port the
+    kernel handed out as ephemeral could be taken again before the server
+    binds it (CI: uvicorn's bind failed with EADDRINUSE beside three gloo
+    shards)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except OSError:
+        low = 32768
+    draw = random.Random()  # seeded from the OS, not by any test's random.seed
+    for _ in range(1000):
+        port = draw.randrange(10000, max(low, 10001))
+        with socketlib.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in 10000..{low}")
 
 
 class ShardProcesses:

@@ -3,7 +3,6 @@ process (`launch`), or in-process (`RunningServer`: a shard on a background
 loop and serve_router on another) where a test needs to reach inside."""
 
 import asyncio
-import socket
 import subprocess
 import sys
 import threading
@@ -16,13 +15,7 @@ import httpx
 from tgi_router.config import RouterConfig
 from tgi_router.server import serve_router
 
-from ..shard_harness import InProcessShard
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ..shard_harness import InProcessShard, free_port
 
 
 class RunningServer:
