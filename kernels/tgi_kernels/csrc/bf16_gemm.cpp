@@ -75,11 +75,12 @@ void gemm_gated(const c10::BFloat16* x, const c10::BFloat16* w, const float* bia
         alignas(64) float sums[MR * 2 * kLanes];  // [MR][gate, up][16]
         bf16_tile::tile_sums<MR, 2>(x + m0 * K, wb, K, sums, ahead);
         for (int m = 0; m < MR; ++m) {
-          alignas(32) c10::BFloat16 gate[kLanes], up[kLanes];
+          // Rounded to bf16 as gemm stores them, then widened back: what
+          // silu_mul / gelu_tanh_mul would read.
           const float* s = sums + m * 2 * kLanes;
-          _mm256_store_si256((__m256i*)gate, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(s), bias_gate)));
-          _mm256_store_si256((__m256i*)up, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(s + kLanes), bias_up)));
-          gated::row<Act>(gate, up, y + (m0 + m) * n + j * kLanes, kLanes);
+          const __m512 gate = gated::widen((__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(s), bias_gate)));
+          const __m512 up = gated::widen((__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(s + kLanes), bias_up)));
+          _mm256_storeu_si256((__m256i*)(y + (m0 + m) * n + j * kLanes), (__m256i)gated::apply16<Act>(gate, up));
         }
       });
     }
