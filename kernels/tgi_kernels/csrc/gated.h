@@ -27,8 +27,8 @@ struct GeluTanh {
   }
 };
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#define TGI_GATED_BF16 1
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define TGI_GATED_BF16 1  // masked 16-bit loads and stores need BW and VL
 // Act(g) * u on 16 lanes rounded to bf16, Act in vec::exp's arithmetic: the
 // one code both bf16 paths run (row below and the gated GEMM's tiles on
 // their sums), so they agree bit for bit. GCC made of the scalar loop a call
