@@ -13,6 +13,7 @@ import torch
 from ..quantized_matrix import QuantizedMatrix, affine_grid
 
 BLOCK = 128     # columns updated together before the lazy update of the rest
+INNER = 16      # within a block, columns updated by rank-1 steps before one GEMM updates the block's rest
 DAMP = 0.01     # fraction of the mean diagonal added to H for stability
 
 
@@ -66,8 +67,14 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
             q[:, col] = values
             err = errors[:, i]
             torch.sub(values, zero, out=err).mul_(scale).sub_(block[:, i]).div_(-hinv[col, col])
-            # In place, no [N, B] temporary: the rank-1 update of the block's columns left.
-            block[:, i:].addr_(err, hinv[col, start + i:stop], alpha=-1)
+            # In place, no temporary: the rank-1 update of the inner block's
+            # columns left; the block's later columns get the inner block's
+            # errors at once, by one GEMM, when it ends.
+            inner_stop = min((i // INNER + 1) * INNER, stop - start)
+            block[:, i:inner_stop].addr_(err, hinv[col, start + i:start + inner_stop], alpha=-1)
+            if i + 1 == inner_stop and inner_stop < stop - start:
+                inner = slice(inner_stop - INNER, inner_stop)
+                block[:, inner_stop:] -= errors[:, inner] @ hinv[start + inner.start:start + inner.stop, start + inner_stop:stop]
         w[:, stop:] -= errors @ hinv[start:stop, stop:]
 
     inverse = torch.argsort(perm)
