@@ -8,6 +8,8 @@ least output error on the calibration inputs, err = d^T H_g d with H_g the
 group's diagonal block of H, rather than the least weight error: it clips
 what the inputs rarely use (as AWQ's clipping search does)."""
 
+import math
+
 import torch
 
 from ..quantized_matrix import QuantizedMatrix, affine_grid
@@ -51,6 +53,9 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
 
     top = 2 ** bits - 1
     group = perm // size  # [K]: the group of each column in quantization order
+    # A group's grid (without act-order) is fitted on its columns with every
+    # earlier error folded in: groups start on inner-block boundaries.
+    inner_cols = math.gcd(INNER, size)
     q = torch.zeros(n, k, dtype=torch.uint8)
     for start in range(0, k, BLOCK):
         stop = min(start + BLOCK, k)
@@ -70,10 +75,10 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
             # In place, no temporary: the rank-1 update of the inner block's
             # columns left; the block's later columns get the inner block's
             # errors at once, by one GEMM, when it ends.
-            inner_stop = min((i // INNER + 1) * INNER, stop - start)
+            inner_stop = min((i // inner_cols + 1) * inner_cols, stop - start)
             block[:, i:inner_stop].addr_(err, hinv[col, start + i:start + inner_stop], alpha=-1)
             if i + 1 == inner_stop and inner_stop < stop - start:
-                inner = slice(inner_stop - INNER, inner_stop)
+                inner = slice(inner_stop - inner_cols, inner_stop)
                 block[:, inner_stop:] -= errors[:, inner] @ hinv[start + inner.start:start + inner.stop, start + inner_stop:stop]
         w[:, stop:] -= errors @ hinv[start:stop, stop:]
 
