@@ -8,11 +8,13 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import torch
@@ -23,8 +25,27 @@ from .machine import dtype_name, serving_dtype
 LOADS = ((1, 4), (32, 64))  # (concurrency, requests)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
+def free_port() -> int:
+    """A loopback port free now, drawn below the kernel's ephemeral range
+    (/proc/sys/net/ipv4/ip_local_port_range). Gloo's listening sockets and
+    every outgoing connection take ports from that range, so a port the
+    kernel handed out as ephemeral could be taken again before the server
+    binds it (CI: uvicorn's bind failed with EADDRINUSE beside three gloo
+    shards). The tests' servers take theirs here too."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except OSError:
+        low = 32768
+    draw = random.Random()  # seeded from the OS, not by any test's random.seed
+    for _ in range(1000 if low > 11000 else 0):  # a range starting low leaves no room below it
+        port = draw.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # what the kernel hands out
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -93,7 +114,7 @@ def launched(tmp: str, extra_args: tuple[str, ...] = (), log=subprocess.DEVNULL,
     threads a shard, `env` instead of this process's environment); yields
     (its URL, its process: the router runs in it, the shards in its children)
     once healthy, stops it on exit."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = _launch(port, tmp, extra_args, log, threads, env)
     try:

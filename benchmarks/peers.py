@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 
 from . import engine as engine_bench
-from .http import _free_port, _wait_healthy, gather_limited, launched, pct_ms, process_cpu_seconds
+from .http import free_port, _wait_healthy, gather_limited, launched, pct_ms, process_cpu_seconds
 from .machine import dtype_name, serving_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -226,7 +226,7 @@ def run_vllm(model_dir: Path, prompts: dict) -> dict:
     if not VLLM_STAMP.exists():
         raise RuntimeError(f"vLLM is not installed ({VLLM_STAMP} missing; `make peers`, "
                            f"log {PEERS / 'vllm-install.log'}: {_log_tail(PEERS / 'vllm-install.log', 1)})")
-    port = _free_port()
+    port = free_port()
     # Both cores for its worker (it would keep one for its scheduler), its
     # compiled graphs cached under build/peers/, nothing asked of the network.
     env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CACHE_ROOT=str(PEERS / "vllm-cache"),
@@ -249,7 +249,7 @@ def run_llamacpp(gguf: Path, prompts: dict, notes: dict) -> dict:
     results, flags = {}, []
     for c in CONCURRENCY:  # its slots are fixed at start: one server per load
         while True:
-            port = _free_port()
+            port = free_port()
             argv = [str(LLAMA_SERVER), "-m", str(gguf), "-t", str(engine_bench.THREADS), "-tb",
                     str(engine_bench.THREADS), "--parallel", str(c), "-c", str(c * LLAMA_SLOT_CTX),
                     "--host", "127.0.0.1", "--port", str(port), *flags]

@@ -4,9 +4,7 @@ scheduler to completion."""
 
 import asyncio
 import os
-import random
 import shutil
-import socket as socketlib
 import subprocess
 import sys
 import threading
@@ -17,6 +15,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
+from benchmarks.http import free_port
 from tgi_proto import pb
 from tgi_router.block_manager import BlockManager
 from tgi_router.client import ShardClient
@@ -178,31 +177,6 @@ class InProcessShard:
     def __exit__(self, *exc):
         self._loop.call_soon_threadsafe(self._task.cancel)
         self._thread.join(10)
-
-
-def free_port() -> int:
-    """A loopback port free now, drawn below the kernel's ephemeral range
-    (/proc/sys/net/ipv4/ip_local_port_range). Gloo's listening sockets and
-    every outgoing connection take ports from that range, so a port the
-    kernel handed out as ephemeral could be taken again before the server
-    binds it (CI: uvicorn's bind failed with EADDRINUSE beside three gloo
-    shards)."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except OSError:
-        low = 32768
-    draw = random.Random()  # seeded from the OS, not by any test's random.seed
-    for _ in range(1000 if low > 11000 else 0):  # a range starting low leaves no room below it
-        port = draw.randrange(10000, low)
-        with socketlib.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socketlib.socket() as s:  # what the kernel hands out
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ShardProcesses:
