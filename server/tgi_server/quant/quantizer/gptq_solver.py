@@ -72,14 +72,14 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
             q[:, col] = values
             err = errors[:, i]
             torch.sub(values, zero, out=err).mul_(scale).sub_(block[:, i]).div_(-hinv[col, col])
-            # In place, no temporary: the rank-1 update of the inner block's
-            # columns left; the block's later columns get the inner block's
-            # errors at once, by one GEMM, when it ends.
+            # In place: the rank-1 update of the inner block's columns left;
+            # the block's later columns get the inner block's errors at once,
+            # by one GEMM, when it ends.
             inner_stop = min((i // inner_cols + 1) * inner_cols, stop - start)
             block[:, i:inner_stop].addr_(err, hinv[col, start + i:start + inner_stop], alpha=-1)
             if i + 1 == inner_stop and inner_stop < stop - start:
-                inner = slice(inner_stop - inner_cols, inner_stop)
-                block[:, inner_stop:] -= errors[:, inner] @ hinv[start + inner.start:start + inner.stop, start + inner_stop:stop]
+                lo = inner_stop - inner_cols
+                block[:, inner_stop:] -= errors[:, lo:inner_stop] @ hinv[start + lo:start + inner_stop, start + inner_stop:stop]
         w[:, stop:] -= errors @ hinv[start:stop, stop:]
 
     inverse = torch.argsort(perm)
