@@ -82,14 +82,42 @@ class BatchTimes:
     decode_time: float             # seconds in steps where no prompt was prefilling
     decode_tokens: int             # tokens those steps generated
     first_token: list[float]       # seconds from the start to each sequence's first token, sorted
+    outputs: list[list[int]]       # each prompt's generated tokens
+    shard_ms: dict[str, float]     # the shard's own medians per step: prepare, forward, sample, total
+
+
+class _TimedClient:
+    """A ShardClient that keeps every step answer's timings (the shard's own clock)."""
+
+    def __init__(self, client: ShardClient):
+        self._client = client
+        self.timings: list[pb.Timings] = []
+
+    async def step(self, request: pb.StepRequest) -> pb.StepResponse:
+        response = await self._client.step(request)
+        self.timings.append(response.timings)
+        return response
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+
+def _median_ms(timings: list[pb.Timings]) -> dict[str, float]:
+    def median(values: list[int]) -> float:
+        return round(sorted(values)[len(values) // 2] / 1e6, 3) if values else 0.0
+
+    return {part: median([getattr(t, f"{part}_ns") for t in timings])
+            for part in ("prepare", "forward", "sample", "total")}
 
 
 async def run_batch(client: ShardClient, warm: pb.WarmupResponse, prompts: list[list[int]], new_tokens: int,
-                    max_batch_tokens: int, adapters: list[int] | None = None) -> BatchTimes:
+                    max_batch_tokens: int, adapters: list[int] | None = None,
+                    plan_ahead: bool = True) -> BatchTimes:
     """All prompts at once, `new_tokens` greedy tokens each, through Engine.step as the router runs it
-    (adapters[i]: prompt i's LoRA adapter; 0 or None: the base model)."""
+    (adapters[i]: prompt i's LoRA adapter; 0 or None: the base model; plan_ahead: async scheduling)."""
     scheduler = Scheduler(BlockManager(warm.num_blocks, warm.block_size), max_batch_tokens=max_batch_tokens)
-    engine = Engine(client, scheduler)
+    timed = _TimedClient(client)
+    engine = Engine(timed, scheduler, plan_ahead=plan_ahead)
     seqs = [Sequence(id=i + 1, token_ids=list(p), params=pb.SamplingParameters(),
                      stopping=StoppingCriteria(new_tokens), adapter=adapters[i] if adapters else 0)
             for i, p in enumerate(prompts)]
@@ -113,7 +141,7 @@ async def run_batch(client: ShardClient, warm: pb.WarmupResponse, prompts: list[
     elapsed = time.perf_counter() - start
     await client.clear_cache()  # the finished ids are released on the shard
     return BatchTimes(elapsed, sum(len(s.generated_ids) for s in seqs), decode_time, decode_tokens,
-                      sorted(first.values()))
+                      sorted(first.values()), [list(s.generated_ids) for s in seqs], _median_ms(timed.timings))
 
 
 async def engine_throughput(client: ShardClient, warm: pb.WarmupResponse,

@@ -205,14 +205,19 @@ def gpu_memory_used_mib() -> int | None:
     return (total - free) >> 20
 
 
-async def one_batch(client, warm, prompts: list[list[int]], new_tokens: int) -> dict:
+async def one_batch(client, warm, prompts: list[list[int]], new_tokens: int,
+                    plan_ahead: bool = True) -> tuple[dict, list[list[int]]]:
+    """(figures, each prompt's greedy tokens) of one batch run; shard_*_ms: the shard's own
+    medians per step (prepare: sequence table and input tensors; forward: the forward's launch,
+    or all of it where nothing is asynchronous; sample: sampling, which waits for the GPU)."""
     from benchmarks.engine import run_batch
 
-    times = await run_batch(client, warm, prompts, new_tokens, max_batch_tokens=8192)
+    times = await run_batch(client, warm, prompts, new_tokens, max_batch_tokens=8192, plan_ahead=plan_ahead)
     ttfts = times.first_token
-    return {"tok_s": round(times.generated / times.elapsed, 1),
-            "decode_tok_s": round(times.decode_tokens / max(times.decode_time, 1e-9), 1),
-            "ttft_ms_p50": round(1000 * ttfts[len(ttfts) // 2], 1), "ttft_ms_max": round(1000 * ttfts[-1], 1)}
+    return ({"tok_s": round(times.generated / times.elapsed, 1),
+             "decode_tok_s": round(times.decode_tokens / max(times.decode_time, 1e-9), 1),
+             "ttft_ms_p50": round(1000 * ttfts[len(ttfts) // 2], 1), "ttft_ms_max": round(1000 * ttfts[-1], 1),
+             **{f"shard_{part}_ms": ms for part, ms in times.shard_ms.items()}}, times.outputs)
 
 
 async def drive(socket: str, vocab: int, batches: tuple[int, ...], new_tokens: int) -> dict:
@@ -230,8 +235,14 @@ async def drive(socket: str, vocab: int, batches: tuple[int, ...], new_tokens: i
         await one_batch(client, warm, prompts[:2], 4)  # first-call costs (kernel compilation) out of the way
         out = {"attention_backend": info.attention_backend, "memory_after_warmup_mib": gpu_memory_used_mib()}
         for b in batches:
-            for key, value in (await one_batch(client, warm, prompts[:b], new_tokens)).items():
-                out[f"b{b}_{key}"] = value
+            figures, tokens = await one_batch(client, warm, prompts[:b], new_tokens)
+            out.update({f"b{b}_{key}": value for key, value in figures.items()})
+            if b == batches[0]:
+                # The same batch with async scheduling off: what planning ahead gains, and
+                # that it changes no greedy token.
+                figures, same = await one_batch(client, warm, prompts[:b], new_tokens, plan_ahead=False)
+                out.update({f"b{b}_sync_{key}": value for key, value in figures.items()})
+                out[f"b{b}_async_same_tokens"] = same == tokens
         out["memory_peak_mib"] = gpu_memory_used_mib()  # the cache is preallocated: use is flat after warmup
         return out
     finally:

@@ -30,10 +30,13 @@ class _Sent(NamedTuple):
 class Engine:
     """Owns the scheduler; one `run` task drives the shards. `submit` adds a
     validated request and returns its stream; `cancel` ends it (its blocks
-    are freed at once and the shards drop it on the next step)."""
+    are freed at once and the shards drop it on the next step).
+
+    plan_ahead=False never sends a step before the previous one's answer is
+    applied (benchmarks measure what async scheduling gains with it)."""
 
     def __init__(self, client: ShardClient, scheduler: Scheduler, tokenizer: RouterTokenizer | None = None,
-                 eos_token_ids: tuple[int, ...] = (), metrics=None):
+                 eos_token_ids: tuple[int, ...] = (), metrics=None, plan_ahead: bool = True):
         self.client = client
         self.scheduler = scheduler
         self.tokenizer = tokenizer
@@ -54,6 +57,7 @@ class Engine:
         # idles either way, and steps sent ahead would only take the event
         # loop from the routes (writes, noticing clients that hung up).
         self._shard_bound = True
+        self.plan_ahead = plan_ahead
 
     # -- requests ------------------------------------------------------------
     def submit(self, request: ValidGenerateRequest, timings: Timings, trace=None) -> RequestStream:
@@ -118,7 +122,8 @@ class Engine:
         step = sent.step
         # Planning ahead pays only while the shards compute: an answer already
         # back is applied first (no extra tokens, and the next await yields).
-        ahead = None if sent.call.done() or not self._shard_bound else self.scheduler.schedule_ahead(step)
+        ahead = (None if sent.call.done() or not (self._shard_bound and self.plan_ahead)
+                 else self.scheduler.schedule_ahead(step))
         if ahead is not None:
             self._inflight = self._send(ahead, after=sent.request.step_id)
         try:
