@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 from tgi_server.sampling_params import SamplingParams
-from tgi_server.vocab_blocks import BLOCK, NEG_INF, BlockedRows, argsort_rows, exp_rows, topk_desc
+from tgi_server.vocab_blocks import BLOCK, NEG_INF, BlockedRows, argsort_rows, exp_rows, to_device, topk_desc
 
 # top_p looks at the tokens of its best 4 blocks, then 32, then all of them.
 TOP_P_BLOCKS = (4, 32)
@@ -58,11 +58,11 @@ def filter_candidates(xb: BlockedRows, rows: Sequence[int], params: Sequence[Sam
 
 
 def _index(xb: BlockedRows, rows: list[int]) -> torch.Tensor:
-    return torch.tensor(rows, device=xb.x.device)
+    return to_device(rows, xb.x.device)
 
 
 def _column(values: list, device: torch.device, dtype=torch.float32) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)  # [R, 1]
+    return to_device(values, device, dtype).unsqueeze(1)  # [R, 1]
 
 
 def _top_k_candidates(xb: BlockedRows, rows: list[int], out_rows: list[int],
@@ -196,7 +196,7 @@ def _assemble(parts: list[Part], rows: int) -> tuple[torch.Tensor, torch.Tensor]
     vals = torch.full((rows, width), NEG_INF, device=device)
     ids = torch.zeros((rows, width), dtype=torch.int64, device=device)
     for part_rows, v, i in parts:
-        index = torch.tensor(part_rows, device=device)
+        index = to_device(part_rows, device)
         vals[:, :v.shape[1]].index_copy_(0, index, v)
         ids[:, :i.shape[1]].index_copy_(0, index, i)
     return vals, ids
@@ -212,7 +212,7 @@ def _on_rows(vals: torch.Tensor, values: list, active: Callable,
     if len(rows) == vals.shape[0]:
         fn(vals, column)
         return
-    index = torch.tensor(rows, device=vals.device)
+    index = to_device(rows, vals.device)
     sub = vals.index_select(0, index)
     fn(sub, column)
     vals.index_copy_(0, index, sub)

@@ -21,7 +21,7 @@ from tgi_server.logits_warpers import filter_candidates, filters
 from tgi_server.penalties import apply_penalties
 from tgi_server.sampling_params import SamplingParams
 from tgi_server.vocab_blocks import (BLOCK, CPU_CHUNK_ROWS, NEG_INF, BlockedRows, argsort_rows,
-                                     exp_rows, padded_width)
+                                     exp_rows, padded_width, to_device)
 from tgi_server.watermark import Watermark
 
 __all__ = ["LogitsProcessor", "Sampler", "SamplerOutput", "SamplingParams", "draw_uniform",
@@ -89,7 +89,7 @@ class Sampler:
         temps = [p.temperature if p.do_sample else 1.0 for p in params]
         temperature = None
         if any(t != 1.0 for t in temps):
-            temperature = torch.tensor(temps, dtype=x.dtype, device=x.device).unsqueeze(1)
+            temperature = to_device(temps, x.device, x.dtype).unsqueeze(1)
         chunk = self._buffer("chunk", CPU_CHUNK_ROWS * x.shape[1], x.device)
         xb = BlockedRows(x, vocab, temperature, chunk)
         groups: list[Group] = []
@@ -155,7 +155,7 @@ def _splitmix64(z: int) -> int:
 
 
 def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(rows, device=like.device)
+    return to_device(rows, like.device)
 
 
 def _subset(index: torch.Tensor, xb: BlockedRows) -> torch.Tensor | None:
@@ -181,7 +181,7 @@ def _greedy(xb: BlockedRows, rows: list[int], params: Sequence[SamplingParams]) 
 
 
 def _uniform_column(rows: list[int], uniforms: dict[int, float], device) -> torch.Tensor:
-    return torch.tensor([uniforms[i] for i in rows], dtype=torch.float64).to(device).unsqueeze(1)
+    return to_device([uniforms[i] for i in rows], device, torch.float64).unsqueeze(1)
 
 
 def _pick(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -240,8 +240,10 @@ def _output(groups: list[Group], params: Sequence[SamplingParams], batch: int) -
     logprobs: list[float] = [0.0] * batch
     top: TopTokens = [[] for _ in range(batch)]
     for rows, chosen, chosen_lp, top_n in groups:
-        for row, token, lp in zip(rows, chosen.tolist(), chosen_lp.tolist()):
-            tokens[row], logprobs[row] = token, lp
+        # One copy to the host, not two (token ids are exact in float64).
+        chosen_ids, chosen_lps = torch.stack((chosen.double(), chosen_lp.double())).tolist()
+        for row, token, lp in zip(rows, chosen_ids, chosen_lps):
+            tokens[row], logprobs[row] = int(token), lp
         if top_n is None:
             continue
         for row, row_lps, row_ids in zip(rows, top_n[0].tolist(), top_n[1].tolist()):

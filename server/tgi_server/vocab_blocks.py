@@ -33,6 +33,21 @@ def padded_width(vocab: int) -> int:
     return -(-vocab // BLOCK) * BLOCK
 
 
+def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """values as a 1-d tensor on `device`, without making the host wait for the
+    device. On CUDA a copy from pageable memory blocks the host until every
+    kernel queued before it has run (the step's whole forward), so that the
+    sampler's later kernels would launch one by one after it, each a round
+    trip: values go through pinned memory asynchronously instead, and an
+    integer range is made on the device."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    if values and dtype == torch.int64 and values == list(range(values[0], values[0] + len(values))):
+        return torch.arange(values[0], values[0] + len(values), device=device)
+    # The caching host allocator keeps the pinned block until the copy has run.
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
 def topk_desc(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest of each row of x [R, W], descending: (values [R, k], indices [R, k]).
     Ties come in no particular order."""
