@@ -42,15 +42,21 @@ def store_kv(
 
 def fuses_rotary(backend: str | None) -> bool:
     """True when `backend` rotates and stores in one pass (rotary_store_kv)."""
-    return backend == "cpu"
+    return backend in ("cpu", "triton")
 
 
 def rotary_store_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, num_heads: int,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                    k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                    k_scale: float = 1.0, v_scale: float = 1.0, backend: str = "cpu") -> None:
     """The rotary embedding and store_kv in one pass, for backends where
     fuses_rotary: rotates the query and key heads of qkv [T, H + 2 KVH, D]
-    in place (x * cos + roll(x, D/2) * signed_sin; cos/signed_sin [T, 1, D]),
-    then stores its key and value heads at slot_mapping [T] (valid, distinct
-    slots). The cache in qkv's dtype, or float8 (as store_kv writes it)."""
+    (contiguous) in place (x * cos + roll(x, D/2) * signed_sin; cos/signed_sin
+    [T, 1, D]), then stores its key and value heads at slot_mapping [T]
+    (valid, distinct slots). The cache in qkv's dtype, or float8 (as store_kv
+    writes it). One kernel launch on triton (CUDA), where the torch path takes
+    five: this runs in every layer of every step."""
+    if backend == "triton":
+        triton_backend.rotary_store_kv(qkv, cos, signed_sin, num_heads, k_cache, v_cache, slot_mapping,
+                                       k_scale, v_scale)
+        return
     cpu.rotary_store_kv(qkv, cos, signed_sin, num_heads, k_cache, v_cache, slot_mapping, k_scale, v_scale)

@@ -12,7 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tgi_kernels.triton import paged_decode_kernel, store_kv_kernel, varlen_prefill_kernel
+from tgi_kernels.triton import norm_act_kernel, paged_decode_kernel, store_kv_kernel, varlen_prefill_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -47,6 +47,11 @@ def cases():
             dict(key=p, value=p, k_cache=c, v_cache=c, slot_mapping="*i64"),
             dict(stride_kt=i32, stride_kh=i32, stride_vt=i32, stride_vh=i32, k_inv_scale="fp32", v_inv_scale="fp32"),
             dict(KV_HEADS=4, HEAD_DIM=head_dim, BLOCK_H=4, BLOCK_D=head_dim, FP8_MAX=fp8_max))
+        yield f"rotary_store_kv into {cache}", store_kv_kernel._rotary_store_kv_kernel, (
+            dict(qkv=p, cos=p, sin=p, k_cache=c, v_cache=c, slot_mapping="*i64"),
+            dict(stride_t=i32, stride_ct=i32, stride_st=i32, k_inv_scale="fp32", v_inv_scale="fp32"),
+            dict(HEADS=4 * group, KV_HEADS=4, HEAD_DIM=head_dim, BLOCK_Q=4 * group, BLOCK_KV=4,
+                 BLOCK_D=head_dim, FP8_MAX=fp8_max))
         if cache == "fp8e5":
             continue  # reads widen either float8 alike: e4m3fn's cases cover them
         for splits in (1, 4):
@@ -57,7 +62,14 @@ def cases():
                      stride_ob=i32, stride_oh=i32),
                 dict(GROUP=group, KV_HEADS=4, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=head_dim,
                      BLOCK_N=64, PARTITION=512, SPLIT=splits > 1, PRECISION=precision))
-        if cache == dtype:  # merge_splits reads no cache
+        if cache == dtype:  # the per-token kernels and merge_splits read no cache
+            for add in (False, True):
+                yield f"rms_norm(add={add})", norm_act_kernel._rms_norm_kernel, (
+                    dict(x=p, residual=p, weight=p, out=p), dict(stride_x=i32, stride_r=i32, stride_o=i32, eps="fp32"),
+                    dict(N=2048, BLOCK_N=2048, ADD=add))
+            for gelu in (False, True):
+                yield f"gated_act(gelu={gelu})", norm_act_kernel._gated_act_kernel, (
+                    dict(gate_up=p, out=p), dict(stride_g=i32, stride_o=i32), dict(I=5632, BLOCK=1024, GELU=gelu))
             yield "merge_splits", paged_decode_kernel._merge_splits_kernel, (
                 dict(part_out="*fp32", part_ml="*fp32", out=p), dict(stride_ob=i32, stride_oh=i32, num_splits=i32),
                 dict(HEADS=4 * group, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_S=8))
@@ -71,7 +83,8 @@ def cases():
 
 
 def main() -> None:
-    jobs = [(f"{name} head_dim={constexprs['HEAD_DIM']} {pointers.get('out', pointers.get('key'))}",
+    jobs = [(f"{name} head_dim={constexprs.get('HEAD_DIM', '-')} "
+             f"{pointers.get('out', pointers.get('key', pointers.get('qkv')))}",
              source(fn, pointers, scalars, constexprs), {})
             for name, fn, (pointers, scalars, constexprs) in cases()]
     for line in compile_sources(jobs):

@@ -20,7 +20,8 @@ def test_every_kernel_compiles_to_ptx_for_sm90(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = done.stdout.splitlines()
-    # two dtype/shape cases x five kernels (decode: one split and several), four over an e4m3fn
-    # cache (merge_splits reads none), the store into e5m2
-    assert len(compiled) == 2 * 5 + 4 + 1
+    # two dtype/shape cases x five attention kernels (decode: one split and several) and the
+    # rotary store, four plus the rotary store over an e4m3fn cache (merge_splits reads none), both
+    # stores into e5m2; and two dtypes x four per-token kernels (norm with and without the add, silu, gelu)
+    assert len(compiled) == 2 * 6 + 5 + 2 + 2 * 4
     assert all(line.startswith("compiled ") for line in compiled)

@@ -52,6 +52,23 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v
     _kernel("store_kv_kernel").store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
+def rotary_store_kv(qkv, cos, signed_sin, num_heads: int, k_cache, v_cache, slot_mapping,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """See tgi_kernels.rotary_store_kv; negative slots are skipped."""
+    _kernel("store_kv_kernel").rotary_store_kv(qkv, cos, signed_sin, num_heads, k_cache, v_cache, slot_mapping,
+                                               k_scale, v_scale)
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    """x [T, N] -> RMSNorm(x) [T, N]; with residual: residual += x in place first (see norm_act_kernel.rms_norm)."""
+    return _kernel("norm_act_kernel").rms_norm(x, weight, eps, residual)
+
+
+def gated_act(gate_up, act: str):
+    """gate_up [T, 2 I] -> act(gate) * up [T, I], act "silu" or "gelu_tanh" (see norm_act_kernel.gated_act)."""
+    return _kernel("norm_act_kernel").gated_act(gate_up, act)
+
+
 def _no_softcap(softcap: float) -> None:
     if softcap:
         raise ValueError("the triton attention backend has no soft cap (gemma2's attn_logit_softcapping)")

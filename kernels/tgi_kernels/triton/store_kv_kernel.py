@@ -1,4 +1,5 @@
-"""Triton kernel: write each token's key and value into its paged-cache slot.
+"""Triton kernels: write each token's key and value into its paged-cache slot,
+alone or after rotating its query and key heads (RoPE) in place.
 
 Imports triton at module level: load it through tgi_kernels.triton, which
 imports it only when the triton backend is used.
@@ -62,5 +63,84 @@ def store_kv(
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), 1.0 / k_scale, 1.0 / v_scale,
         KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8_MAX=torch.finfo(k_cache.dtype).max if k_cache.dtype in FP8_KV_DTYPES else 0.0,
+    )
+
+
+@triton.jit
+def _rotary_store_kv_kernel(
+    qkv, cos, sin, k_cache, v_cache, slot_mapping,
+    stride_t, stride_ct, stride_st, k_inv_scale, v_inv_scale,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    # One program per token: rotates its query and key heads in place (heads of
+    # qkv [T, HEADS + 2 KV_HEADS, HEAD_DIM], each HEAD_DIM contiguous), then
+    # stores the rotated key and the value at the token's slot.
+    t = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)[None, :]  # [1, BLOCK_D]
+    d_ok = d < HEAD_DIM
+    partner = (d + HEAD_DIM // 2) % HEAD_DIM  # roll(x, D/2)[d] = x[(d + D/2) % D]
+    c = tl.load(cos + t * stride_ct + d, mask=d_ok).to(tl.float32)
+    s = tl.load(sin + t * stride_st + d, mask=d_ok).to(tl.float32)
+    row = qkv + t * stride_t
+
+    hq = tl.arange(0, BLOCK_Q)[:, None]  # [BLOCK_Q, 1]
+    q_ok = (hq < HEADS) & d_ok
+    q = tl.load(row + hq * HEAD_DIM + d, mask=q_ok)
+    q_roll = tl.load(row + hq * HEAD_DIM + partner, mask=q_ok)
+    # Each product rounded to the activations' dtype, then their sum: Hugging
+    # Face's x * cos + rotate_half(x) * sin, operation by operation.
+    q_rot = ((q.to(tl.float32) * c).to(q.dtype).to(tl.float32)
+             + (q_roll.to(tl.float32) * s).to(q.dtype).to(tl.float32)).to(q.dtype)
+    tl.store(row + hq * HEAD_DIM + d, q_rot, mask=q_ok)
+
+    hk = tl.arange(0, BLOCK_KV)[:, None]  # [BLOCK_KV, 1]
+    k_ok = (hk < KV_HEADS) & d_ok
+    k_at = row + (HEADS + hk) * HEAD_DIM
+    k = tl.load(k_at + d, mask=k_ok)
+    k_roll = tl.load(k_at + partner, mask=k_ok)
+    k_rot = ((k.to(tl.float32) * c).to(k.dtype).to(tl.float32)
+             + (k_roll.to(tl.float32) * s).to(k.dtype).to(tl.float32)).to(k.dtype)
+    tl.store(k_at + d, k_rot, mask=k_ok)
+
+    slot = tl.load(slot_mapping + t).to(tl.int64)
+    if slot >= 0:  # a negative slot marks a padding token: nothing to write
+        v = tl.load(row + (HEADS + KV_HEADS + hk) * HEAD_DIM + d, mask=k_ok)
+        k_out = k_rot
+        if FP8_MAX > 0:
+            k_out = tl.clamp(k_rot.to(tl.float32) * k_inv_scale, -FP8_MAX, FP8_MAX)
+            v = tl.clamp(v.to(tl.float32) * v_inv_scale, -FP8_MAX, FP8_MAX)
+        dst = slot * KV_HEADS * HEAD_DIM + hk * HEAD_DIM + d
+        tl.store(k_cache + dst, k_out.to(k_cache.dtype.element_ty), mask=k_ok)
+        tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=k_ok)
+
+
+def rotary_store_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    num_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """qkv [T, H + 2 KVH, D] contiguous; cos/signed_sin [T, 1, D] (last dim
+    contiguous); caches and slots as store_kv. Same contract as
+    tgi_kernels.rotary_store_kv, except that negative slots are skipped (their
+    query and key heads still rotate)."""
+    tokens = qkv.shape[0]
+    if tokens == 0:
+        return
+    kv_heads, head_dim = k_cache.shape[2:]
+    cos, signed_sin = cos.reshape(tokens, head_dim), signed_sin.reshape(tokens, head_dim)
+    _rotary_store_kv_kernel[(tokens,)](
+        qkv, cos, signed_sin, k_cache, v_cache, slot_mapping,
+        qkv.stride(0), cos.stride(0), signed_sin.stride(0), 1.0 / k_scale, 1.0 / v_scale,
+        HEADS=num_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+        BLOCK_Q=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
         FP8_MAX=torch.finfo(k_cache.dtype).max if k_cache.dtype in FP8_KV_DTYPES else 0.0,
     )

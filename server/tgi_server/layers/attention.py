@@ -136,7 +136,7 @@ class Attention(nn.Module):
         k_scale, v_scale = self.kv_scales
         if cos_sin is not None and self.rotary_dim is None and fuses_rotary(ctx.backend):
             qkv = qkv.contiguous()  # a no-op after a GEMM; rotated in place
-            rotary_store_kv(qkv, *cos_sin, heads, k_cache, v_cache, ctx.slot_mapping, k_scale, v_scale)
+            rotary_store_kv(qkv, *cos_sin, heads, k_cache, v_cache, ctx.slot_mapping, k_scale, v_scale, ctx.backend)
             q = qkv[:, :heads]
             k = None  # sliced below only where a prefill reads it
         else:
