@@ -1,6 +1,6 @@
 """Builds one step's flat input tensors from the scheduled sequences."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -26,6 +26,12 @@ class StepBatch:
     sample_rows: list[int]       # per sampler, its row in the logits [S]
     prompt_rows: list[tuple[ShardSequence, int, int]]  # (seq, first logits row, count) for prefill logprobs
     lora_segments: list[tuple[int, int, int]]  # (LoRA adapter > 0, first row, end row): runs of rows
+
+    def to(self, device: torch.device) -> "StepBatch":
+        """The same batch with its tensors (metadata's included) on `device`."""
+        return replace(self, input_ids=self.input_ids.to(device), positions=self.positions.to(device),
+                       slot_mapping=self.slot_mapping.to(device), logits_rows=self.logits_rows.to(device),
+                       decode=_meta_to(self.decode, device), prefill=_meta_to(self.prefill, device))
 
 
 def build_batch(seqs: list[ShardSequence], block_size: int, device: torch.device) -> StepBatch:
@@ -88,3 +94,13 @@ def build_batch(seqs: list[ShardSequence], block_size: int, device: torch.device
 def _blocks(seq: ShardSequence, block_size: int) -> list[int]:
     """The blocks covering the sequence's computed + scheduled tokens."""
     return seq.block_table[:-(-(seq.num_computed + seq.scheduled) // block_size)]
+
+
+def _meta_to(meta: DecodeMeta | PrefillMeta | None, device: torch.device):
+    if meta is None:
+        return None
+    moved = {f.name: getattr(meta, f.name).to(device) for f in fields(meta)
+             if isinstance(getattr(meta, f.name), torch.Tensor)}
+    if isinstance(meta, DecodeMeta):
+        moved["derived"] = {}  # built from the device tensors by the step's first layer
+    return replace(meta, **moved)

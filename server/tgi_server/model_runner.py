@@ -119,22 +119,37 @@ class ModelRunner:
             return None
         # The widest table a sequence can have: the model's context or the whole cache.
         max_tokens = min(self.config.max_position_embeddings, self.cache.num_blocks * self.block_size)
+
+        def logits(input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+            return self.model.logits(self.model(input_ids, ctx), None)  # [B, vocab] float32
+
         start = time.perf_counter()
         with torch.inference_mode():
-            graphs = DecodeGraphs(self.model, self.cache.layers, self.backend, self.block_size,
+            graphs = DecodeGraphs(logits, self.cache.layers, self.backend, self.block_size,
                                   math.ceil(max_tokens / self.block_size), self.cache.scratch_block,
                                   sizes, self.device)
         log.info("captured CUDA graphs for decode batch sizes %s in %.1f s", list(sizes),
                  time.perf_counter() - start)
         return graphs
 
-    def _forward(self, batch: StepBatch) -> torch.Tensor:
-        """hidden [T, hidden] of the step's tokens: a graph replay when one fits."""
+    def _batch(self, seqs: list[ShardSequence]) -> StepBatch:
+        """The step's inputs: on the host for a pure decode step that a graph
+        will replay (DecodeGraphs sends them in two copies), else on the device."""
+        if self.graphs is not None and all(s.scheduled == 1 for s in seqs):
+            batch = build_batch(seqs, self.block_size, torch.device("cpu"))
+            return batch if self.graphs.can_run(batch) else batch.to(self.device)
+        return build_batch(seqs, self.block_size, self.device)
+
+    def _logits(self, batch: StepBatch) -> torch.Tensor:
+        """logits [S, vocab] float32 of batch.logits_rows: a graph replay when one fits."""
         if self.adapters is not None:
             self.adapters.set_segments(batch.lora_segments)
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
-        return self.model(batch.input_ids, self._context(batch))
+            logits = self.graphs.run(batch)  # every decode row's, [n, vocab]
+            # logits_rows are ascending and distinct: as many as rows means all of them.
+            rows = batch.logits_rows
+            return logits if len(rows) == len(logits) else logits.index_select(0, rows.to(logits.device))
+        return self.model.logits(self.model(batch.input_ids, self._context(batch)), batch.logits_rows)
 
     def run_scratch(self, tokens: int, seqs: int, decode: bool) -> torch.Tensor:
         """A forward of `tokens` tokens over `seqs` sequences whose K/V lands in
@@ -171,11 +186,10 @@ class ModelRunner:
         if not seqs:
             return pb.StepResponse(step_id=request.step_id, timings=pb.Timings(total_ns=time.perf_counter_ns() - t0))
         try:
-            batch = build_batch(seqs, self.block_size, self.device)
+            batch = self._batch(seqs)
             t1 = time.perf_counter_ns()
             with torch.inference_mode():
-                hidden = self._forward(batch)
-                logits = self.model.logits(hidden, batch.logits_rows)  # [S, vocab] float32
+                logits = self._logits(batch)  # [S, vocab] float32
                 t2 = time.perf_counter_ns()
                 generations = self._generations(batch, logits)
         except Exception:

@@ -111,7 +111,7 @@ class DecoderForCausalLM(nn.Module):
             x, residual = layer(x, residual, rotations, ctx)
         return residual + x
 
-    def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """hidden [T, hidden], rows [S] int64 -> logits [S, vocab] float32.
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """hidden [T, hidden], rows [S] int64 (None: every row) -> logits [S, vocab] float32.
         The final norm is per token, so it runs on the chosen rows only."""
-        return self.lm_head(self.norm(hidden.index_select(0, rows)))
+        return self.lm_head(self.norm(hidden if rows is None else hidden.index_select(0, rows)))
