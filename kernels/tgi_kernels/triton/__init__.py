@@ -59,6 +59,11 @@ def rotary_store_kv(qkv, cos, signed_sin, num_heads: int, k_cache, v_cache, slot
                                                k_scale, v_scale)
 
 
+# The activations' dtypes the per-token kernels serve: they sum and multiply in
+# float32, which float64 would lose (it stays on torch's ops).
+NORM_ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def rms_norm(x, weight, eps: float, residual=None):
     """x [T, N] -> RMSNorm(x) [T, N]; with residual: residual += x in place first (see norm_act_kernel.rms_norm)."""
     return _kernel("norm_act_kernel").rms_norm(x, weight, eps, residual)

@@ -16,7 +16,7 @@ def gated_activation(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     if ops is not None:
         return ops.silu_mul(gate_up) if act == "silu" else ops.gelu_tanh_mul(gate_up)
     if (gate_up.device.type == "cuda" and gate_up.dim() == 2 and gate_up.stride(-1) == 1
-            and triton_kernels.is_available(gate_up.device)):
+            and gate_up.dtype in triton_kernels.NORM_ACT_DTYPES and triton_kernels.is_available(gate_up.device)):
         return triton_kernels.gated_act(gate_up, act)
     gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
     return (F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")) * up

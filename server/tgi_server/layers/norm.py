@@ -24,7 +24,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
         self.native = native_ops() if weight.device.type == "cpu" else None
-        self.triton = weight.device.type == "cuda" and triton_kernels.is_available(weight.device)
+        self.triton = (weight.device.type == "cuda" and weight.dtype in triton_kernels.NORM_ACT_DTYPES
+                       and triton_kernels.is_available(weight.device))
 
     @classmethod
     def load(cls, weights: TensorSource, prefix: str, eps: float, offset: bool = False) -> "RMSNorm":
