@@ -15,14 +15,24 @@ from ..fp8 import FP8_KV_DTYPES
 
 
 @triton.jit
+def _write_slot(k_cache, v_cache, dst, k, v, mask, k_inv_scale, v_inv_scale, FP8_MAX: tl.constexpr):
+    # One token's key and value tiles into the cache at offsets dst (FP8_MAX > 0:
+    # a float8 cache, which holds them over their scales, saturated).
+    if FP8_MAX > 0:
+        k = tl.clamp(k.to(tl.float32) * k_inv_scale, -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) * v_inv_scale, -FP8_MAX, FP8_MAX)
+    tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=mask)
+    tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _store_kv_kernel(
     key, value, k_cache, v_cache, slot_mapping,
     stride_kt, stride_kh, stride_vt, stride_vh, k_inv_scale, v_inv_scale,
     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
-    # One program per token; it copies that token's [KVH, D] key and value
-    # (FP8_MAX > 0: a float8 cache, which holds them over their scales, saturated).
+    # One program per token; it copies that token's [KVH, D] key and value.
     t = tl.program_id(0)
     slot = tl.load(slot_mapping + t).to(tl.int64)
     if slot >= 0:  # a negative slot marks a padding token (CUDA graph replay): nothing to write
@@ -33,11 +43,7 @@ def _store_kv_kernel(
         dst = slot * KV_HEADS * HEAD_DIM + h * HEAD_DIM + d
         k = tl.load(key + t * stride_kt + h * stride_kh + d, mask=mask)
         v = tl.load(value + t * stride_vt + h * stride_vh + d, mask=mask)
-        if FP8_MAX > 0:
-            k = tl.clamp(k.to(tl.float32) * k_inv_scale, -FP8_MAX, FP8_MAX)
-            v = tl.clamp(v.to(tl.float32) * v_inv_scale, -FP8_MAX, FP8_MAX)
-        tl.store(k_cache + dst, k.to(k_cache.dtype.element_ty), mask=mask)
-        tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=mask)
+        _write_slot(k_cache, v_cache, dst, k, v, mask, k_inv_scale, v_inv_scale, FP8_MAX)
 
 
 def store_kv(
@@ -68,6 +74,19 @@ def store_kv(
 
 
 @triton.jit
+def _rotate(at, d, partner, c, s, mask):
+    # x * cos + roll(x, D/2) * signed_sin for the heads at `at`, in place, each
+    # product rounded to x's dtype, then their sum: Hugging Face's
+    # x * cos + rotate_half(x) * sin, operation by operation. Returns it.
+    x = tl.load(at + d, mask=mask)
+    x_roll = tl.load(at + partner, mask=mask)
+    rotated = ((x.to(tl.float32) * c).to(x.dtype).to(tl.float32)
+               + (x_roll.to(tl.float32) * s).to(x.dtype).to(tl.float32)).to(x.dtype)
+    tl.store(at + d, rotated, mask=mask)
+    return rotated
+
+
+@triton.jit
 def _rotary_store_kv_kernel(
     qkv, cos, sin, k_cache, v_cache, slot_mapping,
     stride_t, stride_ct, stride_st, k_inv_scale, v_inv_scale,
@@ -86,34 +105,15 @@ def _rotary_store_kv_kernel(
     row = qkv + t * stride_t
 
     hq = tl.arange(0, BLOCK_Q)[:, None]  # [BLOCK_Q, 1]
-    q_ok = (hq < HEADS) & d_ok
-    q = tl.load(row + hq * HEAD_DIM + d, mask=q_ok)
-    q_roll = tl.load(row + hq * HEAD_DIM + partner, mask=q_ok)
-    # Each product rounded to the activations' dtype, then their sum: Hugging
-    # Face's x * cos + rotate_half(x) * sin, operation by operation.
-    q_rot = ((q.to(tl.float32) * c).to(q.dtype).to(tl.float32)
-             + (q_roll.to(tl.float32) * s).to(q.dtype).to(tl.float32)).to(q.dtype)
-    tl.store(row + hq * HEAD_DIM + d, q_rot, mask=q_ok)
-
+    _rotate(row + hq * HEAD_DIM, d, partner, c, s, (hq < HEADS) & d_ok)
     hk = tl.arange(0, BLOCK_KV)[:, None]  # [BLOCK_KV, 1]
     k_ok = (hk < KV_HEADS) & d_ok
-    k_at = row + (HEADS + hk) * HEAD_DIM
-    k = tl.load(k_at + d, mask=k_ok)
-    k_roll = tl.load(k_at + partner, mask=k_ok)
-    k_rot = ((k.to(tl.float32) * c).to(k.dtype).to(tl.float32)
-             + (k_roll.to(tl.float32) * s).to(k.dtype).to(tl.float32)).to(k.dtype)
-    tl.store(k_at + d, k_rot, mask=k_ok)
-
+    k = _rotate(row + (HEADS + hk) * HEAD_DIM, d, partner, c, s, k_ok)
     slot = tl.load(slot_mapping + t).to(tl.int64)
     if slot >= 0:  # a negative slot marks a padding token: nothing to write
         v = tl.load(row + (HEADS + KV_HEADS + hk) * HEAD_DIM + d, mask=k_ok)
-        k_out = k_rot
-        if FP8_MAX > 0:
-            k_out = tl.clamp(k_rot.to(tl.float32) * k_inv_scale, -FP8_MAX, FP8_MAX)
-            v = tl.clamp(v.to(tl.float32) * v_inv_scale, -FP8_MAX, FP8_MAX)
         dst = slot * KV_HEADS * HEAD_DIM + hk * HEAD_DIM + d
-        tl.store(k_cache + dst, k_out.to(k_cache.dtype.element_ty), mask=k_ok)
-        tl.store(v_cache + dst, v.to(v_cache.dtype.element_ty), mask=k_ok)
+        _write_slot(k_cache, v_cache, dst, k, v, k_ok, k_inv_scale, v_inv_scale, FP8_MAX)
 
 
 def rotary_store_kv(
