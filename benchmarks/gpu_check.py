@@ -137,9 +137,19 @@ def stage_env(result: dict) -> str | None:
     return python if code == 0 else None
 
 
+def _workers(python: str) -> list[str]:
+    """pytest-xdist's `-n` where that Python has it (the GPU machine's image does):
+    the GPU tests' time is mostly Triton compiling kernel variants on the CPU
+    (310 s of one run; another was cut at 270 s), which workers share out."""
+    if _run([python, "-c", "import xdist"], 30)[0] != 0:
+        return []
+    return ["-n", str(max(1, min(8, (os.cpu_count() or 2) // 2)))]
+
+
 def stage_tests(python: str, result: dict) -> None:
     code, out = _run([python, "-m", "pytest", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
-                      *gpu_test_files()], DEADLINES["tests"], env=dict(os.environ, PYTHONPATH=_pythonpath()))
+                      *_workers(python), *gpu_test_files()], DEADLINES["tests"],
+                     env=dict(os.environ, PYTHONPATH=_pythonpath()))
     _keep_log("tests", out)
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", out)}
     result["tests"] = {"ok": code == 0 and counts.get("passed", 0) > 0, "exit": code, **counts}
