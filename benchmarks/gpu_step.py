@@ -5,8 +5,7 @@ Llama (bf16, CUDA graphs) in this process and prints one JSON line:
   - hf_*: the shard against transformers on the same checkpoint (prompt
     logprobs of a 64-token prompt, then 16 greedy tokens through the graphs);
   - b{1,32,128}: milliseconds per decode step in each phase of
-    ModelRunner.step (sequence table, batch, logits launch: graph replay or
-    eager forward, sampling, which waits for the GPU), and the plain step;
+    ModelRunner.step, by its own timings (PHASES), and the step's wall time;
   - graph_gpu_ms_b*: one replay of the decode graph alone (CUDA events) and
     graph_launch_ms_b* the host's time to launch it.
 With --out, torch.profiler tables of 20 steps at batch 1 and 32 and the batch-1
@@ -30,7 +29,9 @@ from tgi_server.shard import load_shard
 
 from .gpu_check import MODEL, write_random_llama
 
-PHASES = ("apply", "batch", "logits", "sample", "advance")
+# ModelRunner.step's own timings (pb.Timings): sequence table and batch; the
+# logits' launch (graph replay or eager forward); sampling, which waits for the GPU.
+PHASES = ("prepare", "forward", "sample", "total")
 PROMPT_TOKENS = 128
 STEPS = 64
 
@@ -59,26 +60,6 @@ class Driver:
 
     def decode(self, ids: list[int]) -> pb.StepResponse:
         return self._step(running=[pb.RunningSequence(id=i, num_scheduled_tokens=1) for i in ids])
-
-    def phases(self, ids: list[int]) -> dict[str, float]:
-        """One decode step timed phase by phase (ModelRunner.step's parts, no extra sync): seconds."""
-        runner = self.runner
-        self.step_id += 1
-        request = pb.StepRequest(step_id=self.step_id,
-                                 running=[pb.RunningSequence(id=i, num_scheduled_tokens=1) for i in ids])
-        t = [time.perf_counter()]
-        seqs = runner.table.apply(request, runner.tp.all_true, runner.tp.broadcast_from_first)
-        t.append(time.perf_counter())
-        batch = runner._batch(seqs)
-        t.append(time.perf_counter())
-        with torch.inference_mode():
-            logits = runner._logits(batch)
-            t.append(time.perf_counter())
-            runner._generations(batch, logits)
-            t.append(time.perf_counter())
-        runner.table.advance(seqs)
-        t.append(time.perf_counter())
-        return {phase: b - a for phase, a, b in zip(PHASES, t, t[1:])}
 
 
 def compare_with_transformers(driver: Driver, model_dir: Path, device: str) -> dict:
@@ -157,15 +138,14 @@ def run(device: str, config: dict, batches: tuple[int, ...], out: Path | None) -
         result = {"backend": runner.backend, "graphs": runner.graphs is not None,
                   **compare_with_transformers(driver, model_dir, device)}
         for b in batches:
-            ids = driver.start(b, PROMPT_TOKENS + 2 * STEPS + 20)
-            totals = dict.fromkeys(PHASES, 0.0)
-            for _ in range(STEPS):
-                for phase, seconds in driver.phases(ids).items():
-                    totals[phase] += seconds
-            timed = {f"{phase}_ms": round(1000 * s / STEPS, 3) for phase, s in totals.items()}
+            ids = driver.start(b, PROMPT_TOKENS + STEPS + 20)
+            totals = dict.fromkeys(PHASES, 0)
             start = time.perf_counter()
             for _ in range(STEPS):
-                driver.decode(ids)
+                timings = driver.decode(ids).timings
+                for phase in PHASES:
+                    totals[phase] += getattr(timings, f"{phase}_ns")
+            timed = {f"{phase}_ms": round(ns / 1e6 / STEPS, 3) for phase, ns in totals.items()}
             timed["step_ms"] = round(1000 * (time.perf_counter() - start) / STEPS, 3)
             result[f"b{b}"] = timed
             if out is not None and b in (1, 32):

@@ -46,6 +46,11 @@ def _store_kv_kernel(
         _write_slot(k_cache, v_cache, dst, k, v, mask, k_inv_scale, v_inv_scale, FP8_MAX)
 
 
+def _fp8_max(cache: torch.Tensor) -> float:
+    """The kernels' FP8_MAX for a cache: its largest value where it is float8, else 0.0 (no scaling)."""
+    return torch.finfo(cache.dtype).max if cache.dtype in FP8_KV_DTYPES else 0.0
+
+
 def store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -69,7 +74,7 @@ def store_kv(
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), 1.0 / k_scale, 1.0 / v_scale,
         KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        FP8_MAX=torch.finfo(k_cache.dtype).max if k_cache.dtype in FP8_KV_DTYPES else 0.0,
+        FP8_MAX=_fp8_max(k_cache),
     )
 
 
@@ -142,5 +147,5 @@ def rotary_store_kv(
         HEADS=num_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         BLOCK_Q=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
-        FP8_MAX=torch.finfo(k_cache.dtype).max if k_cache.dtype in FP8_KV_DTYPES else 0.0,
+        FP8_MAX=_fp8_max(k_cache),
     )
