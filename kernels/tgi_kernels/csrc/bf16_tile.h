@@ -60,7 +60,7 @@ void tile_sums(const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, float*
     for (int b = 0; b < NB; ++b) {
       wv[b] = _mm512_loadu_si512(w + b * block + p * 2 * kLanes);
       // 32 lines (2 KB) ahead, into L2: into L1 (prefetcht0) they filled the
-      // core's few L1 miss buffers and one row ran 15-25% slower (README).
+      // core's few L1 miss buffers and one row ran 15-25% slower (docs/architecture.md).
       if (!ahead.lines) __builtin_prefetch(w + b * block + (p + 32) * 2 * kLanes, 0, 2);
     }
     if (p < ahead.count) __builtin_prefetch(ahead.lines + p * 64, 0, 2);

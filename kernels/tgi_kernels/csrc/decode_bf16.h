@@ -22,7 +22,7 @@
 // when the output is written.
 //
 // SmolLM2 (9 query heads, 3 kv heads of 64, bf16), 64 sequences of 192
-// tokens, 2 threads, Zen 4: README, "The shard".
+// tokens, 2 threads, Zen 4: docs/architecture.md, "The shard".
 #pragma once
 
 #include "bf16_tile.h"
@@ -57,7 +57,7 @@ constexpr int64_t out_dim(int64_t a, int64_t lane) {
 // than 12 accumulators (dependency chains: vdpbf16ps's latency x its two
 // ports) even and odd pairs go to two sets, added at the end. Before, one
 // pass interleaved all of a kv head's pairs into 32 vectors that spilled to
-// the stack and every head reloaded them (README, "The shard").
+// the stack and every head reloaded them (docs/architecture.md, "The shard").
 template <int64_t kD, int GS>
 void pv_group(const c10::BFloat16* vb, int64_t token_stride, int64_t n, int64_t h0, const float* correction,
               const int32_t (*pairs)[kChunk / 2], float (*acc)[kD]) {

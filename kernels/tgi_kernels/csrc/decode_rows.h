@@ -34,7 +34,7 @@ Rows next_chunk(const C* k_cache, const C* v_cache, int64_t block_stride, int64_
 // follow: its rows are asked for while this chunk computes, a share before
 // each query head (asked all at once, ~200 lines, they hid far less of the
 // misses), and into L2 (prefetcht1): into L1 they filled the core's few L1
-// miss buffers and stalled the kernel (README, "The shard").
+// miss buffers and stalled the kernel (docs/architecture.md, "The shard").
 inline void prefetch_share(const Rows& ahead, int64_t h, int64_t QH) {
   for (int64_t line = h * ahead.lines / QH; line < (h + 1) * ahead.lines / QH; ++line) {
     __builtin_prefetch(ahead.k + line * 64, 0, 2);
