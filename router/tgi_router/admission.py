@@ -38,6 +38,7 @@ class ApiSettings:
     compute_type: str          # "cpu", "gpu+optimized", ... (TGI's x-compute-type)
     protect_metrics: bool = False  # with api_key: /metrics and /info need it too
     reasoning: ReasoningParser | None = None  # --reasoning-parser: thoughts apart from content
+    playground: bool = True    # the chat page at GET / for browsers (off: --disable-playground)
 
 
 class ServerState:

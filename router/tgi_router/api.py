@@ -1,6 +1,6 @@
 """TGI's HTTP routes: /generate, /generate_stream, /, /health, /info,
 /metrics, /tokenize (and FastAPI's /docs with the OpenAPI spec); the OpenAI
-routes come from openai_api."""
+routes come from openai_api, the browsers' playground page from playground."""
 
 import asyncio
 import json
@@ -20,6 +20,7 @@ from .errors import (BodyDeserializeError, BodySyntaxError, GenerationError, Rou
                      error_response)
 from .openai_api import add_openai_routes
 from .payload_limit import PayloadLimitMiddleware
+from .playground import PlaygroundMiddleware
 from .request_stream import ErrorEvent, RequestStream
 from .responses import generate_response, stream_response, stream_token_event, timing_headers
 from .validation import check_input_chars, tokenize_text, validate
@@ -31,14 +32,17 @@ def create_app(engine: Engine, settings: ApiSettings, metrics, state: ServerStat
     # TGI serves its OpenAPI spec at /api-doc/openapi.json and Swagger UI at /docs.
     app = FastAPI(title="Text Generation Inference", version=settings.info.version,
                   openapi_url="/api-doc/openapi.json", docs_url="/docs", redoc_url=None)
-    # The last added runs first: CORS (answers preflights), then the API key
-    # (before any body is read), then the payload limit.
+    # The last added runs first: the playground's static page and files (they
+    # need no key), CORS (answers preflights), then the API key (before any
+    # body is read), then the payload limit.
     app.add_middleware(PayloadLimitMiddleware, limit=settings.payload_limit)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, protect_metrics=settings.protect_metrics)
     if settings.cors_allow_origin:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_allow_origin),
                            allow_methods=["*"], allow_headers=["*"])
+    if settings.playground:
+        app.add_middleware(PlaygroundMiddleware)
 
     @app.exception_handler(TGIError)
     async def _tgi_error(request: Request, err: TGIError):

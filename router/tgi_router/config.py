@@ -88,6 +88,7 @@ class RouterConfig:
     request_read_timeout: float = 60.0  # seconds a request (headers and body) may take to arrive; 0: none
     protect_metrics: bool = False  # with --api-key, /metrics and /info need the key too
     reasoning_parser: str | None = None  # "qwen3" | "deepseek_r1": thoughts as reasoning_content
+    disable_playground: bool = False  # no chat page at GET / for browsers
     log_level: str = "info"        # env LOG_LEVEL, as TGI
     prefix_caching: bool = True    # env PREFIX_CACHING=0 (or false) turns it off, as TGI; no flag
     ignored_flags: tuple[str, ...] = ()  # TGI flags accepted without effect here
@@ -224,6 +225,8 @@ _FLAGS = (
           "(/health stays open)"),
     _Flag("reasoning_parser", _choice(REASONING_STYLES), "[ours] return a reasoning model's thoughts "
           "(between <think> and </think>) as reasoning_content on the chat routes: qwen3 or deepseek_r1"),
+    _Flag("disable_playground", None, "[ours] serve no web playground: a browser's GET / answers 405, as TGI "
+          "(default: a chat page at GET / for requests that prefer text/html)"),
 )
 
 # TGI flags that have no effect here: accepted (and logged) so that a TGI

@@ -124,7 +124,7 @@ async def _build(config: RouterConfig, client: ShardClient):
         max_concurrent_requests=config.max_concurrent_requests, api_key=config.api_key,
         cors_allow_origin=tuple(config.cors_allow_origin), payload_limit=config.payload_limit,
         compute_type="gpu+optimized" if info.device.startswith("cuda") else "cpu",
-        protect_metrics=config.protect_metrics,
+        protect_metrics=config.protect_metrics, playground=not config.disable_playground,
         reasoning=ReasoningParser(config.reasoning_parser) if config.reasoning_parser else None)
     state = ServerState()
     app = create_app(engine, settings, metrics, state)

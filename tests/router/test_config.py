@@ -59,6 +59,7 @@ FLAGS = [
     (["--flash-attention"], "FLASH_ATTENTION", "true", "flash_attention", True),
     (["--kv-cache-bytes", "2GiB"], "KV_CACHE_BYTES", "2GiB", "kv_cache_bytes", 2 << 30),
     (["--num-threads", "2"], "NUM_THREADS", "2", "num_threads", 2),
+    (["--disable-playground"], "DISABLE_PLAYGROUND", "true", "disable_playground", True),
 ]
 
 
