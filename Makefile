@@ -7,7 +7,7 @@ PORT ?= 8080
 BENCH ?= all
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench proto clean gpu-check peers
+.PHONY: install serve test browser bench proto clean gpu-check peers
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,8 +32,18 @@ install: $(STAMP)
 serve: install
 	$(BIN)/text-generation-launcher --port $(PORT) $(if $(MODEL),--model-id $(MODEL))
 
-test: install
+test: install browser
 	$(BIN)/python -m pytest -q --durations=30 tests
+
+# The Chromium that tests/e2e/test_playground_browser.py drives through
+# Playwright (the `test` extra): Debian's, as Playwright's own browser download
+# is not reachable here. Installed only where it is missing, apt-get exists and
+# we are root; otherwise the browser test skips and says why.
+CHROMIUM := /usr/bin/chromium
+browser:
+	@test -x $(CHROMIUM) || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
+	  && { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; } \
+	  || echo "chromium not installed: tests/e2e/test_playground_browser.py will skip"; }
 
 # BENCH=peers first installs the peers (once; a failed install is reported by
 # the benchmark, which still measures ours).
