@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 from tgi_proto import pb
-from tgi_router.block_manager import BlockManager
-from tgi_router.client import ShardClient
-from tgi_router.engine import Engine
-from tgi_router.scheduler import Scheduler
-from tgi_router.sequence import Sequence, StoppingCriteria
+from tgi_router.scheduling.block_manager import BlockManager
+from tgi_router.scheduling.client import ShardClient
+from tgi_router.scheduling.engine import Engine
+from tgi_router.scheduling.scheduler import Scheduler
+from tgi_router.scheduling.sequence import Sequence, StoppingCriteria
 
 from .machine import dtype_name, serving_dtype
 

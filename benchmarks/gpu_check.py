@@ -233,7 +233,7 @@ async def one_batch(client, warm, prompts: list[list[int]], new_tokens: int,
 async def drive(socket: str, vocab: int, batches: tuple[int, ...], new_tokens: int) -> dict:
     import random
 
-    from tgi_router.client import ShardClient
+    from tgi_router.scheduling.client import ShardClient
 
     client = ShardClient([socket], timeout=240)
     try:

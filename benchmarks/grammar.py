@@ -23,12 +23,12 @@ import torch
 from llguidance import LLMatcher
 
 from tgi_proto import pb
-from tgi_router.block_manager import BlockManager
-from tgi_router.client import ShardClient
-from tgi_router.engine import Engine
-from tgi_router.grammar import JSON_OPTIONS, json_grammar
-from tgi_router.scheduler import Scheduler
-from tgi_router.sequence import Sequence, StoppingCriteria
+from tgi_router.scheduling.block_manager import BlockManager
+from tgi_router.scheduling.client import ShardClient
+from tgi_router.scheduling.engine import Engine
+from tgi_router.scheduling.scheduler import Scheduler
+from tgi_router.scheduling.sequence import Sequence, StoppingCriteria
+from tgi_router.text.grammar import JSON_OPTIONS, json_grammar
 from tgi_server.weights.gguf import load_gguf_tokenizer
 from tgi_server.weights.resolve import default_model_path
 

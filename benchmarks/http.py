@@ -100,7 +100,7 @@ def _launch(port: int, tmp: str, extra_args: tuple[str, ...], log, threads: int,
             env: dict[str, str] | None) -> subprocess.Popen:
     env = dict(os.environ if env is None else env, OMP_NUM_THREADS=str(threads))
     return subprocess.Popen(
-        [sys.executable, "-m", "tgi_router.launcher", "--port", str(port), "--hostname", "127.0.0.1",
+        [sys.executable, "-m", "tgi_router.launch.launcher", "--port", str(port), "--hostname", "127.0.0.1",
          "--shard-uds-path", f"{tmp}/shard", "--num-threads", str(threads),
          "--kv-cache-bytes", str(1 << 30), "--max-concurrent-requests", "256", *extra_args],
         env=env, stdout=log, stderr=log)
@@ -184,7 +184,7 @@ def run() -> dict:
 
 async def _engine_b1(socket_path: str, prompts: list[list[int]]) -> float:
     """End-to-end tokens/s of one request at a time straight over the shard socket."""
-    from tgi_router.client import ShardClient
+    from tgi_router.scheduling.client import ShardClient
 
     client = ShardClient([socket_path], timeout=600)
     try:

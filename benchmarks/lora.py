@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, get_peft_model
 
-from tgi_router.client import ShardClient
+from tgi_router.scheduling.client import ShardClient
 
 from .engine import NEW_TOKENS, THREADS, hf_model, make_prompts, run_batch
 from .machine import dtype_name, serving_dtype

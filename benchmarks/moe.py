@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from tgi_proto import pb
-from tgi_router.client import ShardClient
+from tgi_router.scheduling.client import ShardClient
 from tgi_server.distributed import TensorParallel
 from tgi_server.model_loader import load_model, open_checkpoint
 from tgi_server.model_runner import ModelRunner

@@ -17,11 +17,11 @@ from safetensors.torch import save_file
 
 from benchmarks.http import free_port
 from tgi_proto import pb
-from tgi_router.block_manager import BlockManager
-from tgi_router.client import ShardClient
-from tgi_router.engine import Engine
-from tgi_router.scheduler import Scheduler
-from tgi_router.sequence import Sequence, StoppingCriteria
+from tgi_router.scheduling.block_manager import BlockManager
+from tgi_router.scheduling.client import ShardClient
+from tgi_router.scheduling.engine import Engine
+from tgi_router.scheduling.scheduler import Scheduler
+from tgi_router.scheduling.sequence import Sequence, StoppingCriteria
 from tgi_server.config import ShardConfig
 from tgi_server.model_runner import ModelRunner
 from tgi_server.service import serve

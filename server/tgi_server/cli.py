@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", choices=["float64", "float32", "bfloat16", "float16"], default=None)
     serve.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     serve.add_argument("--block-size", type=int, default=16)
-    # Bytes only: the launcher parses sizes such as 2GiB (tgi_router.config).
+    # Bytes only: the launcher parses sizes such as 2GiB (tgi_router.launch.config).
     serve.add_argument("--kv-cache-bytes", type=non_negative, default=0,
                        help="KV cache budget in bytes; 0 = a share of free memory at Warmup")
     serve.add_argument("--attention-backend", default=os.environ.get("TGI_ATTENTION_BACKEND") or None,

@@ -8,8 +8,8 @@ import re
 import dockerfile
 import pytest
 
-from tgi_router.config import build_parser
-from tgi_router.flags_doc import accepted_options
+from tgi_router.launch.config import build_parser
+from tgi_router.launch.flags_doc import accepted_options
 
 from .doc_snippets import ROOT
 

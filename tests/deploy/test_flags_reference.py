@@ -4,7 +4,7 @@ launcher flag the documentation shows is one the launcher accepts."""
 import argparse
 import re
 
-from tgi_router import flags_doc
+from tgi_router.launch import flags_doc
 
 from .doc_snippets import ROOT, launcher_commands, launcher_flags, markdown_files
 
@@ -21,7 +21,7 @@ INLINE_FLAG = re.compile(r"`(--[a-z][a-z0-9.-]*)[ =`]")
 
 def test_reference_page_matches_the_parser():
     assert REFERENCE.read_text() == flags_doc.render(), \
-        "docs/reference/launcher.md is stale: python -m tgi_router.flags_doc > docs/reference/launcher.md"
+        "docs/reference/launcher.md is stale: python -m tgi_router.launch.flags_doc > docs/reference/launcher.md"
 
 
 def test_reference_page_lists_every_accepted_option():

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import yaml
 
-from tgi_router.config import build_parser
+from tgi_router.launch.config import build_parser
 
 from .doc_snippets import ROOT
 from .schemas import errors, kubernetes_validator

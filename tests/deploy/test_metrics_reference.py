@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tgi_router.metrics import Metrics
+from tgi_router.telemetry.metrics import Metrics
 
 from .doc_snippets import ROOT
 from .prometheus_check import PROMTOOL, parse_families, promtool_problems

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 
-from tgi_router.config import RouterConfig
-from tgi_router.server import serve_router
+from tgi_router.launch.config import RouterConfig
+from tgi_router.launch.server import serve_router
 
 from ..shard_harness import InProcessShard, free_port
 
@@ -74,7 +74,7 @@ def launch(model: str | None, tmp_path, *flags, default_limits: bool = True) -> 
     log_path = Path(tmp_path) / "launcher.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tgi_router.launcher", *model_flags, "--port", str(port),
+            [sys.executable, "-m", "tgi_router.launch.launcher", *model_flags, "--port", str(port),
              "--hostname", "127.0.0.1", "--shard-uds-path", str(tmp_path / "shard"), "--kv-cache-bytes", "16MiB",
              *(["--max-total-tokens", "1024", "--max-input-tokens", "512"] if default_limits else []), *flags],
             stdout=log, stderr=subprocess.STDOUT, text=True)

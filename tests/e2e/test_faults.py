@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from benchmarks.overload import metric
-from tgi_router.engine import Engine
+from tgi_router.scheduling.engine import Engine
 
 from ..router.test_read_deadline import request
 from ..shard_harness import save_tiny_served_model

@@ -26,7 +26,7 @@ def shard_pid(proc: subprocess.Popen) -> int:
 
 
 def test_bad_flag_is_one_line_exit_2(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "tgi_router.launcher", "--max-input-tokens", "10",
+    r = subprocess.run([sys.executable, "-m", "tgi_router.launch.launcher", "--max-input-tokens", "10",
                         "--max-total-tokens", "5"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
 

@@ -115,6 +115,6 @@ def test_spans_of_a_streamed_and_a_plain_request_and_none_lost_silently(receiver
 
 
 def test_without_an_endpoint_the_tracing_sdk_is_never_imported():
-    code = ("import sys, tgi_router.server, tgi_router.launcher; "
+    code = ("import sys, tgi_router.launch.server, tgi_router.launch.launcher; "
             "print(sorted(m for m in sys.modules if m.startswith(('opentelemetry.sdk', 'opentelemetry.exporter'))))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"

@@ -59,7 +59,7 @@ def test_eetq_quantizes_a_float_checkpoint_at_load_and_serves(float_model, tmp_p
 
 
 def test_a_method_we_do_not_serve_is_refused_in_one_line(float_model):
-    done = subprocess.run([sys.executable, "-m", "tgi_router.launcher", "--model-id", str(float_model),
+    done = subprocess.run([sys.executable, "-m", "tgi_router.launch.launcher", "--model-id", str(float_model),
                            "--quantize", "bitsandbytes"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2  # a usage error, as for any bad flag
     assert "--quantize bitsandbytes is not supported (supported: awq, eetq, gptq)" in done.stderr + done.stdout

@@ -10,7 +10,7 @@ whole sequence, so outputs do not depend on batching or caching."""
 from dataclasses import dataclass
 
 from tgi_proto import pb
-from tgi_router.block_manager import BlockManager
+from tgi_router.scheduling.block_manager import BlockManager
 
 
 def next_token(tokens: list[int]) -> int:

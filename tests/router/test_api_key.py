@@ -9,8 +9,8 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from tgi_router import api_key
-from tgi_router.api_key import OPEN_PATHS, ApiKeyMiddleware
+from tgi_router.web import api_key
+from tgi_router.web.api_key import OPEN_PATHS, ApiKeyMiddleware
 
 KEY = "s3cret-key"
 AUTH = {"authorization": f"Bearer {KEY}"}

@@ -9,10 +9,10 @@ import random
 import pytest
 
 from tgi_proto import pb
-from tgi_router.block_manager import BlockManager
-from tgi_router.engine import Engine
-from tgi_router.scheduler import Scheduler
-from tgi_router.sequence import FinishReason, Sequence, Status, StoppingCriteria
+from tgi_router.scheduling.block_manager import BlockManager
+from tgi_router.scheduling.engine import Engine
+from tgi_router.scheduling.scheduler import Scheduler
+from tgi_router.scheduling.sequence import FinishReason, Sequence, Status, StoppingCriteria
 
 from .fake_kv_shard import FakeKVShard, next_token
 from .test_step_pacer import FixedCap

@@ -6,9 +6,9 @@ from collections import Counter
 import pytest
 
 from tgi_proto import pb
-from tgi_router.block_manager import ROOT_HASH, BlockManager, chain_hashes, hash_block
-from tgi_router.scheduler import Scheduler
-from tgi_router.sequence import FinishReason, Sequence, Status, StoppingCriteria
+from tgi_router.scheduling.block_manager import ROOT_HASH, BlockManager, chain_hashes, hash_block
+from tgi_router.scheduling.scheduler import Scheduler
+from tgi_router.scheduling.sequence import FinishReason, Sequence, Status, StoppingCriteria
 
 from .fake_kv_shard import FakeKVShard
 

@@ -10,10 +10,9 @@ import sys
 import pytest
 
 from tgi_router import errors
-from tgi_router.chat_template import (DEFAULT_TOOL_PROMPT, MAX_RENDER_CHARS,
-                                      ChatTemplate, TemplateError,
-                                      template_messages)
-from tgi_router.openai_protocol import ChatMessage
+from tgi_router.openai_compat.chat_template import (DEFAULT_TOOL_PROMPT, MAX_RENDER_CHARS, ChatTemplate, TemplateError,
+                                                    template_messages)
+from tgi_router.openai_compat.protocol import ChatMessage
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
@@ -278,7 +277,7 @@ def test_tool_calls_are_written_into_content_for_other_templates():
 
 
 def test_rendering_needs_neither_torch_nor_transformers():
-    code = ("import sys, tgi_router.chat_template, tgi_router.openai_protocol; "
+    code = ("import sys, tgi_router.openai_compat.chat_template, tgi_router.openai_compat.protocol; "
             "print(any(m in sys.modules for m in ('torch', 'transformers')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "False"

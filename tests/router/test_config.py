@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tgi_router import launcher
-from tgi_router.config import ConfigError, Limits, RouterConfig, parse_args, resolve_limits
-from tgi_router.limits import prefill_tokens
+from tgi_router.launch import launcher
+from tgi_router.launch.config import ConfigError, RouterConfig, parse_args
+from tgi_router.launch.limits import Limits, resolve_limits
+from tgi_router.launch.limits import prefill_tokens
 
 # TGI 3 launcher/src/main.rs `Args` defaults (flags of the issue).
 TGI_DEFAULTS = dict(

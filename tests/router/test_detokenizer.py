@@ -9,7 +9,7 @@ import time
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from tgi_router.detokenizer import MAX_PENDING, IncrementalDetokenizer, decode_generated
+from tgi_router.text.detokenizer import MAX_PENDING, IncrementalDetokenizer, decode_generated
 
 TEXTS = [
     "Hello, world! How are you today? I'm fine -- thanks.",
@@ -204,6 +204,6 @@ def test_two_thousand_tokens_in_well_under_100_ms(smollm2):
 
 
 def test_router_modules_never_import_torch():
-    code = ("import sys, tgi_router.detokenizer, tgi_router.stop_strings; "
+    code = ("import sys, tgi_router.text.detokenizer, tgi_router.text.stop_strings; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

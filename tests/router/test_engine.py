@@ -3,11 +3,11 @@
 import asyncio
 
 from tgi_proto import pb
-from tgi_router.block_manager import BlockManager
-from tgi_router.engine import Engine
-from tgi_router.scheduler import Scheduler
-from tgi_router.metrics import Metrics
-from tgi_router.sequence import FinishReason, Sequence, StoppingCriteria
+from tgi_router.scheduling.block_manager import BlockManager
+from tgi_router.scheduling.engine import Engine
+from tgi_router.scheduling.scheduler import Scheduler
+from tgi_router.scheduling.sequence import FinishReason, Sequence, StoppingCriteria
+from tgi_router.telemetry.metrics import Metrics
 
 from .fake_kv_shard import FakeKVShard
 

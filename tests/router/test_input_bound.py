@@ -8,9 +8,9 @@ import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from tgi_router.errors import ValidationError
-from tgi_router.input_bound import max_chars_per_token
-from tgi_router.protocol import GenerateRequest
-from tgi_router.validation import ValidationLimits, validate
+from tgi_router.request.protocol import GenerateRequest
+from tgi_router.request.validation import ValidationLimits, validate
+from tgi_router.text.input_bound import max_chars_per_token
 
 from .conftest import byte_level_tokenizer
 

@@ -16,9 +16,9 @@ import pytest
 
 from tgi_proto import pb
 from tgi_proto.rpc import RpcError, Server, StatusCode
-from tgi_router import launcher
-from tgi_router.config import ConfigError, RouterConfig, parse_args
-from tgi_router.shard_processes import shard_command, shard_env, wait_for_shards
+from tgi_router.launch import launcher
+from tgi_router.launch.config import ConfigError, RouterConfig, parse_args
+from tgi_router.launch.shard_processes import shard_command, shard_env, wait_for_shards
 
 FAKE_SHARD = r"""
 import os, signal, sys, time

@@ -7,7 +7,7 @@ import sys
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tgi_router.metrics import Metrics, duration_buckets
+from tgi_router.telemetry.metrics import Metrics, duration_buckets
 
 TGI_TYPES = {
     "tgi_request_count": "counter",
@@ -264,5 +264,5 @@ def test_two_instances_are_independent():
 
 
 def test_importing_the_metrics_module_does_not_import_torch():
-    code = "import sys, tgi_router.metrics; sys.exit('torch' in sys.modules)"
+    code = "import sys, tgi_router.telemetry.metrics; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

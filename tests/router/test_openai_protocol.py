@@ -14,21 +14,14 @@ from openai.types import Model as SDKModel
 from openai.types.chat import ChatCompletion as SDKChatCompletion
 from openai.types.chat import ChatCompletionChunk as SDKChatCompletionChunk
 
-from tgi_router.openai_protocol import (AssistantMessage, ChatChoice,
-                                        ChatCompletion, ChatCompletionChunk,
-                                        ChatCompletionRequest, ChoiceLogprobs,
-                                        ChunkChoice, ChunkDelta, Completion,
-                                        CompletionChoice, CompletionChunk,
-                                        CompletionLogprobs, CompletionRequest,
-                                        FunctionCall, FunctionCallDelta,
-                                        ImageContentPart, Model, ModelList,
-                                        NamedToolChoice, ResponseFormatJson,
-                                        ResponseFormatJsonObject,
-                                        ResponseFormatJsonSchema,
-                                        ResponseFormatRegex,
-                                        ResponseFormatText, TextContentPart,
-                                        TokenLogprob, ToolCall, ToolCallDelta,
-                                        TopLogprob, Usage)
+from tgi_router.openai_compat.protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk,
+                                               ChatCompletionRequest, ChoiceLogprobs, ChunkChoice, ChunkDelta,
+                                               Completion, CompletionChoice, CompletionChunk, CompletionLogprobs,
+                                               CompletionRequest, FunctionCall, FunctionCallDelta, ImageContentPart,
+                                               Model, ModelList, NamedToolChoice, ResponseFormatJson,
+                                               ResponseFormatJsonObject, ResponseFormatJsonSchema, ResponseFormatRegex,
+                                               ResponseFormatText, TextContentPart, TokenLogprob, ToolCall,
+                                               ToolCallDelta, TopLogprob, Usage)
 
 USER = {"role": "user", "content": "hi"}
 USAGE = Usage(prompt_tokens=5, completion_tokens=2, total_tokens=7)
@@ -371,7 +364,7 @@ TRICKY_TEXTS = ["", "plain", " leading space", 'quote " and \\ backslash', "new\
 def test_fast_token_chunks_are_the_bytes_the_models_write(text, include_usage):
     """A streamed token's chunk is built without a model per token: byte
     for byte what the chunk models write, for any text and both usage modes."""
-    from tgi_router.openai_stream import _data, _Frame
+    from tgi_router.openai_compat.stream import _data, _Frame
 
     common = {"id": 'cmpl-"x"', "created": 1700000000, "model": "m\u00f6del \"q\"", "system_fingerprint": "fp",
               **({"usage": None} if include_usage else {})}

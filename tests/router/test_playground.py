@@ -12,12 +12,12 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from tgi_router import protocol as p
-from tgi_router.admission import ApiSettings, ServerState
-from tgi_router.api import create_app
-from tgi_router.config import parse_args
-from tgi_router.playground import CONTENT_SECURITY_POLICY, prefers_html
-from tgi_router.validation import ValidationLimits
+from tgi_router.app import create_app
+from tgi_router.launch.config import parse_args
+from tgi_router.request import protocol as p
+from tgi_router.request.validation import ValidationLimits
+from tgi_router.web.admission import ApiSettings, ServerState
+from tgi_router.web.playground import CONTENT_SECURITY_POLICY, prefers_html
 
 from ..e2e.router_harness import RunningServer
 from ..shard_harness import save_tiny_served_model

@@ -2,9 +2,9 @@
 every K/V a sequence reads (no model). Blocks hold 4 tokens."""
 
 from tgi_proto import pb
-from tgi_router.block_manager import BlockManager
-from tgi_router.scheduler import Scheduler
-from tgi_router.sequence import Sequence, Status, StoppingCriteria
+from tgi_router.scheduling.block_manager import BlockManager
+from tgi_router.scheduling.scheduler import Scheduler
+from tgi_router.scheduling.sequence import Sequence, Status, StoppingCriteria
 
 from .fake_kv_shard import FakeKVShard
 

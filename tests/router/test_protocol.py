@@ -10,12 +10,10 @@ import pydantic
 import pytest
 
 from tgi_router import errors
-from tgi_router.protocol import (U32_MAX, U64_MAX, ChatTokenizeResponse,
-                                 CompatGenerateRequest, Details, ErrorResponse,
-                                 GenerateRequest, GenerateResponse, Info,
-                                 JsonGrammar, JsonSchemaGrammar, PrefillToken,
-                                 RegexGrammar, StreamResponse, Token,
-                                 TokenizeResponse)
+from tgi_router.request.protocol import (U32_MAX, U64_MAX, ChatTokenizeResponse, CompatGenerateRequest, Details,
+                                         ErrorResponse, GenerateRequest, GenerateResponse, Info, JsonGrammar,
+                                         JsonSchemaGrammar, PrefillToken, RegexGrammar, StreamResponse, Token,
+                                         TokenizeResponse)
 
 
 def params(**kw):
@@ -293,7 +291,7 @@ def test_errors_tgi_answers_without_json_keep_tgi_status_and_text():
 
 
 def test_importing_the_schemas_does_not_import_torch():
-    code = ("import sys; import tgi_router.protocol, tgi_router.validation, "
+    code = ("import sys; import tgi_router.request.protocol, tgi_router.request.validation, "
             "tgi_router.errors; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True,
                          text=True, check=True, timeout=60)
@@ -306,8 +304,8 @@ def test_importing_the_schemas_does_not_import_torch():
 def test_fast_stream_token_event_is_what_the_model_writes(text, logprob, special):
     """A streamed token's event is built without models: the same JSON
     (floats the same value, where the spelling may differ) as StreamResponse's."""
-    from tgi_router.request_stream import StreamEvent, TokenOut
-    from tgi_router.responses import stream_response, stream_token_event
+    from tgi_router.scheduling.request_stream import StreamEvent, TokenOut
+    from tgi_router.tgi_api.responses import stream_response, stream_token_event
 
     event = StreamEvent(TokenOut(7, text, logprob, special), [])
     fast = stream_token_event(event, 3)

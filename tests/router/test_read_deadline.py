@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from tgi_router.read_deadline import ReadDeadlineProtocol
+from tgi_router.web.read_deadline import ReadDeadlineProtocol
 
 TIMEOUT = 0.5
 

@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from tgi_router.reasoning import ReasoningParser
+from tgi_router.text.reasoning import ReasoningParser
 
 # (text, qwen3's (reasoning, content), deepseek_r1's)
 CASES = [

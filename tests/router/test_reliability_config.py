@@ -3,7 +3,7 @@
 
 import pytest
 
-from tgi_router.config import ConfigError, parse_args
+from tgi_router.launch.config import ConfigError, parse_args
 
 
 def test_defaults_keep_tgis_open_metrics_and_a_two_minute_step_deadline():

@@ -3,9 +3,9 @@
 import pytest
 
 from tgi_proto import pb
-from tgi_router.block_manager import BlockManager
-from tgi_router.scheduler import Scheduler
-from tgi_router.sequence import FinishReason, Sequence, Status, StoppingCriteria
+from tgi_router.scheduling.block_manager import BlockManager
+from tgi_router.scheduling.scheduler import Scheduler
+from tgi_router.scheduling.sequence import FinishReason, Sequence, Status, StoppingCriteria
 
 
 def seq(i: int, n: int, max_new: int = 4, stop=()) -> Sequence:

@@ -3,9 +3,9 @@ step times) and the scheduler under its cap. No model: times are made up."""
 
 import pytest
 
-from tgi_router.block_manager import BlockManager
-from tgi_router.scheduler import Scheduler
-from tgi_router.step_pacer import StepPacer
+from tgi_router.scheduling.block_manager import BlockManager
+from tgi_router.scheduling.scheduler import Scheduler
+from tgi_router.scheduling.step_pacer import StepPacer
 
 from .test_scheduler import answer, seq
 

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from tgi_router.detokenizer import IncrementalDetokenizer
-from tgi_router.stop_strings import StopStringMatcher
+from tgi_router.text.detokenizer import IncrementalDetokenizer
+from tgi_router.text.stop_strings import StopStringMatcher
 
 
 def run(matcher: StopStringMatcher, pieces: list[str]) -> tuple[list[str], str | None, str]:

@@ -9,9 +9,8 @@ import re
 import pytest
 
 from tgi_router.errors import ValidationError, error_response
-from tgi_router.protocol import GenerateRequest
-from tgi_router.validation import (DEFAULT_GENERATION_LENGTH, ValidGrammar,
-                                   ValidationLimits, validate)
+from tgi_router.request.protocol import GenerateRequest
+from tgi_router.request.validation import DEFAULT_GENERATION_LENGTH, ValidGrammar, ValidationLimits, validate
 
 LIMITS = ValidationLimits(max_input_tokens=10, max_total_tokens=20)
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from tgi_proto import pb
-from tgi_router.config import parse_args
-from tgi_router.shard_processes import shard_command
+from tgi_router.launch.config import parse_args
+from tgi_router.launch.shard_processes import shard_command
 from tgi_server.batch import build_batch
 from tgi_server.cli import build_parser, config_from_args
 from tgi_server.config import ShardConfig

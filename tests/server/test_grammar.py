@@ -14,9 +14,9 @@ from tokenizers import Tokenizer
 
 from tgi_proto import pb
 from tgi_proto.rpc import StatusCode
-from tgi_router.client import ShardClient, ShardError
-from tgi_router.grammar import json_grammar
-from tgi_router.sequence import FinishReason
+from tgi_router.scheduling.client import ShardClient, ShardError
+from tgi_router.scheduling.sequence import FinishReason
+from tgi_router.text.grammar import json_grammar
 from tgi_server.grammar import GrammarCompiler
 from tgi_server.grammar_budget import Budget
 from tgi_server.sequences import StepError

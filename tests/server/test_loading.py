@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tgi_router.client import ShardClient
+from tgi_router.scheduling.client import ShardClient
 from tgi_server.weights.errors import CheckpointError
 from tgi_server.weights.resolve import resolve_model
 

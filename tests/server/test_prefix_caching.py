@@ -10,10 +10,10 @@ import random
 import pytest
 
 from tgi_proto import pb
-from tgi_router.block_manager import BlockManager
-from tgi_router.client import ShardClient
-from tgi_router.scheduler import Scheduler
-from tgi_router.sequence import Sequence, StoppingCriteria
+from tgi_router.scheduling.block_manager import BlockManager
+from tgi_router.scheduling.client import ShardClient
+from tgi_router.scheduling.scheduler import Scheduler
+from tgi_router.scheduling.sequence import Sequence, StoppingCriteria
 
 from ..shard_harness import InProcessShard, run_prompts, save_tiny_model
 

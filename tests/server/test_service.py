@@ -9,7 +9,7 @@ import pytest
 from tgi_kernels import select_backend
 from tgi_proto import pb
 from tgi_proto.rpc import StatusCode
-from tgi_router.client import ShardClient, ShardError
+from tgi_router.scheduling.client import ShardClient, ShardError
 
 from ..shard_harness import InProcessShard, save_tiny_model
 

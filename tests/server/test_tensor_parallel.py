@@ -15,7 +15,7 @@ import torch
 
 from tgi_proto import pb
 from tgi_proto.rpc import StatusCode
-from tgi_router.client import ShardClient, ShardError
+from tgi_router.scheduling.client import ShardClient, ShardError
 from tgi_server.distributed import TensorParallel
 from tgi_server.layers.attention import HeadShard
 from tgi_server.model_loader import load_model, open_checkpoint, weight_bytes
