@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tgi_server.watermark_detect import detect
+from tgi_server.sampling.watermark_detect import detect
 
 from .http import launched
 

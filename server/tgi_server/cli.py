@@ -187,7 +187,7 @@ def _quantize(args: argparse.Namespace) -> None:
 
 
 def _watermark_detect(args: argparse.Namespace) -> NoReturn:
-    from .watermark_detect import detect
+    from .sampling.watermark_detect import detect
     from .weights.errors import CheckpointError
 
     gamma = _gamma(args.watermark_gamma)

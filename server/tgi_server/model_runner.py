@@ -19,14 +19,14 @@ from tgi_proto import pb
 
 from .batch import StepBatch, build_batch
 from .cuda_graphs import DecodeGraphs, backend_supports_graphs, graph_batch_sizes
-from .grammar import GrammarCompiler
 from .kv_cache import KVCache, KVCacheSpec
 from .layers.attention import ForwardContext
 from .memory import kv_cache_budget
 from .model_loader import LoadedModel
-from .sampler import Sampler, prompt_logprobs
+from .sampling.grammar import GrammarCompiler
+from .sampling.sampler import Sampler, prompt_logprobs
+from .sampling.watermark import Watermark
 from .sequences import SequenceTable, ShardSequence
-from .watermark import Watermark
 
 log = logging.getLogger("tgi_server")
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from tgi_proto import pb
 
-from .grammar import GrammarCompiler, GrammarError, SequenceGrammar
-from .sampler import SamplingParams
+from .sampling.grammar import GrammarCompiler, GrammarError, SequenceGrammar
+from .sampling.sampler import SamplingParams
 
 
 class StepError(ValueError):

@@ -13,14 +13,14 @@ from tgi_proto import pb
 
 from .config import ShardConfig
 from .distributed import TensorParallel
-from .grammar import GrammarCompiler
 from .layers.attention import Attention
 from .model_loader import DTYPES, default_dtype, default_quant_kernel_dtype, load_model, open_checkpoint
 from .model_runner import ModelRunner
 from .quant import kernel_counts
+from .sampling.grammar import GrammarCompiler
+from .sampling.watermark import Watermark
 from .service import serve
 from .thread_governor import ThreadGovernor
-from .watermark import Watermark
 from .weights.resolve import resolve_model
 from .weights.tokenizer_export import export_tokenizer
 

@@ -9,7 +9,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from benchmarks.watermark import TOPICS, answers
-from tgi_server.watermark_detect import detect
+from tgi_server.sampling.watermark_detect import detect
 
 from .router_harness import launch
 

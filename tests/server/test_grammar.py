@@ -17,8 +17,8 @@ from tgi_proto.rpc import StatusCode
 from tgi_router.scheduling.client import ShardClient, ShardError
 from tgi_router.scheduling.sequence import FinishReason
 from tgi_router.text.grammar import json_grammar
-from tgi_server.grammar import GrammarCompiler
-from tgi_server.grammar_budget import Budget
+from tgi_server.sampling.grammar import GrammarCompiler
+from tgi_server.sampling.grammar_budget import Budget
 from tgi_server.sequences import StepError
 
 from ..shard_harness import InProcessShard, run_prompts, save_tiny_model, save_tiny_served_model

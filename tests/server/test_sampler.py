@@ -10,9 +10,9 @@ from transformers.generation.logits_process import (
     MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
     TopPLogitsWarper, TypicalLogitsWarper)
 
-from tgi_server.logits_warpers import TOP_P_BLOCKS
-from tgi_server.sampler import Sampler, SamplingParams, draw_uniform, prompt_logprobs
-from tgi_server.vocab_blocks import BLOCK
+from tgi_server.sampling.logits_warpers import TOP_P_BLOCKS
+from tgi_server.sampling.sampler import Sampler, SamplingParams, draw_uniform, prompt_logprobs
+from tgi_server.sampling.vocab_blocks import BLOCK
 
 V = 512
 

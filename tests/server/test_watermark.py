@@ -4,9 +4,9 @@ import math
 
 import torch
 
-from tgi_server.sampler import Sampler
-from tgi_server.sampling_params import SamplingParams
-from tgi_server.watermark import HASH_KEY, Watermark
+from tgi_server.sampling.sampler import Sampler
+from tgi_server.sampling.sampling_params import SamplingParams
+from tgi_server.sampling.watermark import HASH_KEY, Watermark
 
 VOCAB = 1000
 

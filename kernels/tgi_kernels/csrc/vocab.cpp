@@ -1,4 +1,4 @@
-// The sampler's one full-vocabulary pass (server/tgi_server/vocab_blocks.py):
+// The sampler's one full-vocabulary pass (server/tgi_server/sampling/vocab_blocks.py):
 // per row and per block of logits, sum(exp(x / t - top)). torch's version
 // (index_select, div, sub, Sleef exp, sum over blocks: five passes over a
 // [4, W] chunk at a time) took ~2.7 ms for 32 rows of SmolLM2's 49,152

@@ -19,8 +19,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from tgi_server.sampling_params import SamplingParams
-from tgi_server.vocab_blocks import BLOCK, NEG_INF, BlockedRows, argsort_rows, exp_rows, to_device, topk_desc
+from .sampling_params import SamplingParams
+from .vocab_blocks import BLOCK, NEG_INF, BlockedRows, argsort_rows, exp_rows, to_device, topk_desc
 
 # top_p looks at the tokens of its best 4 blocks, then 32, then all of them.
 TOP_P_BLOCKS = (4, 32)

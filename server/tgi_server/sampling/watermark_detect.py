@@ -7,10 +7,10 @@ import functools
 
 import torch
 
-from .model_loader import open_checkpoint
+from ..model_loader import open_checkpoint
+from ..weights.resolve import resolve_model
+from ..weights.tokenizer_export import load_tokenizer
 from .watermark import Watermark
-from .weights.resolve import resolve_model
-from .weights.tokenizer_export import load_tokenizer
 
 THRESHOLD = 4.0  # the paper's: z > 4 marks a text as watermarked (a false positive ~3e-5 of the time)
 

@@ -17,12 +17,12 @@ from typing import Protocol, Sequence
 
 import torch
 
-from tgi_server.logits_warpers import filter_candidates, filters
-from tgi_server.penalties import apply_penalties
-from tgi_server.sampling_params import SamplingParams
-from tgi_server.vocab_blocks import (BLOCK, CPU_CHUNK_ROWS, NEG_INF, BlockedRows, argsort_rows,
-                                     exp_rows, padded_width, to_device)
-from tgi_server.watermark import Watermark
+from .logits_warpers import filter_candidates, filters
+from .penalties import apply_penalties
+from .sampling_params import SamplingParams
+from .vocab_blocks import (BLOCK, CPU_CHUNK_ROWS, NEG_INF, BlockedRows, argsort_rows, exp_rows, padded_width,
+                           to_device)
+from .watermark import Watermark
 
 __all__ = ["LogitsProcessor", "Sampler", "SamplerOutput", "SamplingParams", "draw_uniform",
            "prompt_logprobs"]

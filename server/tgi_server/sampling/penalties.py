@@ -10,7 +10,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from tgi_server.sampling_params import SamplingParams
+from .sampling_params import SamplingParams
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[int], params: Sequence[SamplingParams],
