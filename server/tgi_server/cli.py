@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--attention-backend", default=os.environ.get("TGI_ATTENTION_BACKEND") or None,
                        help="reference, sdpa, cpu, flash_attn or triton (env TGI_ATTENTION_BACKEND)")
     serve.add_argument("--cuda-graphs", type=batch_sizes, default=(),
-                       help="decode batch sizes captured as CUDA graphs at Warmup, e.g. 1,2,4,8 (CUDA only)")
+                       help="decode batch sizes captured as CUDA graphs at Warmup, e.g. 1,2,4,8; on the CPU "
+                            "compiled by torch.compile instead (TGI_CPU_COMPILE=0: eager)")
     serve.add_argument("--num-threads", type=int, default=0, help="torch threads on CPU (0 = torch default)")
     serve.add_argument("--quantize", choices=QUANTIZE_METHODS, default=None,
                        help="gptq | awq | eetq (default: config.json's quantization_config)")

@@ -18,7 +18,7 @@ from tgi_kernels import FP8_KV_DTYPES, SOFTCAP_BACKENDS, select_backend
 from tgi_proto import pb
 
 from .batch import StepBatch, build_batch
-from .cuda_graphs import DecodeGraphs, backend_supports_graphs, graph_batch_sizes
+from .cuda_graphs import DecodeGraphs, backend_supports_graphs, compile_available, graph_batch_sizes
 from .kv_cache import KVCache, KVCacheSpec
 from .layers.attention import ForwardContext
 from .memory import kv_cache_budget
@@ -35,7 +35,7 @@ class ModelRunner:
     """grammars: compiles the grammars of constrained requests; None when the
     shard has no tokenizer (a grammar is then an invalid step) and on ranks
     > 0, which do not sample. cuda_graphs: decode batch sizes to capture at
-    Warmup (CUDA only; ignored elsewhere). memory_fraction: the share of a
+    Warmup (CUDA graphs on CUDA, compiled forwards on the CPU). memory_fraction: the share of a
     GPU's memory the shard may hold when Warmup sizes the cache itself
     (--cuda-memory-fraction). watermark: gamma and delta for requests that
     ask for the watermark (None: TGI's defaults). kv_cache_dtype: the KV
@@ -102,21 +102,34 @@ class ModelRunner:
             warmup_ns=time.perf_counter_ns() - start)
 
     def _capture_graphs(self, max_batch_size: int) -> DecodeGraphs | None:
-        """Decode graphs for the requested sizes, on CUDA with a backend that suits them."""
+        """Decode steps for the requested sizes: CUDA graphs on CUDA with a
+        backend that suits them, compiled forwards on the CPU with our C++
+        kernels (cuda_graphs.py); None where neither applies."""
         sizes = graph_batch_sizes(self.cuda_graph_sizes, max_batch_size)
-        if self.device.type != "cuda" or not sizes:
+        if self.device.type not in ("cuda", "cpu") or not sizes:
             return None
+        what = "CUDA graphs" if self.device.type == "cuda" else "compiled decode steps"
         if self.adapters is not None:
-            log.info("CUDA graphs off: LoRA layers group each step's tokens by adapter on the host")
+            log.info("%s off: LoRA layers group each step's tokens by adapter on the host", what)
             return None
         if self.config.moe is not None:
-            log.info("CUDA graphs off: mixture-of-experts blocks read how many tokens each expert got "
-                     "on the host, which a graph cannot replay")
+            log.info("%s off: mixture-of-experts blocks read how many tokens each expert got "
+                     "on the host, which a graph cannot replay", what)
             return None
-        if not backend_supports_graphs(self.backend, self.block_size):
-            log.info("CUDA graphs off: the %s backend (block size %d) gathers whole block tables",
-                     self.backend, self.block_size)
-            return None
+        if self.device.type == "cuda":
+            if not backend_supports_graphs(self.backend, self.block_size):
+                log.info("CUDA graphs off: the %s backend (block size %d) gathers whole block tables",
+                         self.backend, self.block_size)
+                return None
+        else:
+            why = compile_available()
+            if self.backend != "cpu":
+                why = f"the {self.backend} attention backend (only our C++ kernels' is compiled)"
+            elif self.tp.world_size > 1:
+                why = "tensor parallelism (its collectives are not compiled)"
+            if why:
+                log.info("compiled decode steps off: %s", why)
+                return None
         # The widest table a sequence can have: the model's context or the whole cache.
         max_tokens = min(self.config.max_position_embeddings, self.cache.num_blocks * self.block_size)
 
@@ -124,12 +137,19 @@ class ModelRunner:
             return self.model.logits(self.model(input_ids, ctx), None)  # [B, vocab] float32
 
         start = time.perf_counter()
-        with torch.inference_mode():
-            graphs = DecodeGraphs(logits, self.cache.layers, self.backend, self.block_size,
-                                  math.ceil(max_tokens / self.block_size), self.cache.scratch_block,
-                                  sizes, self.device)
-        log.info("captured CUDA graphs for decode batch sizes %s in %.1f s", list(sizes),
-                 time.perf_counter() - start)
+        try:
+            with torch.inference_mode():
+                graphs = DecodeGraphs(logits, self.cache.layers, self.backend, self.block_size,
+                                      math.ceil(max_tokens / self.block_size), self.cache.scratch_block,
+                                      sizes, self.device, mode="capture" if self.device.type == "cuda" else "compile")
+        except Exception as err:  # inductor without a working compiler, an op it cannot trace
+            if self.device.type == "cuda":
+                raise
+            log.warning("compiled decode steps off, decoding eagerly: %s: %s", type(err).__name__,
+                        str(err).strip().splitlines()[0] if str(err).strip() else "")
+            return None
+        log.info("%s for decode batch sizes %s in %.1f s", "captured CUDA graphs" if self.device.type == "cuda"
+                 else "compiled decode steps", list(sizes), time.perf_counter() - start)
         return graphs
 
     def _batch(self, seqs: list[ShardSequence]) -> StepBatch:

@@ -90,9 +90,9 @@ def _decode_batch(runner, context_lens: list[int]):
     return build_batch(seqs, BLOCK, runner.device)
 
 
-def _graphs(runner, sizes, capture):
+def _graphs(runner, sizes, mode):
     return DecodeGraphs(runner.model, runner.cache.layers, runner.backend, BLOCK, 8, runner.cache.scratch_block,
-                        sizes, runner.device, capture=capture)
+                        sizes, runner.device, mode=mode)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -106,7 +106,7 @@ def test_padded_replay_gives_the_eager_hidden_states_and_leaves_real_blocks_alon
     with torch.inference_mode():
         want = runner.model(batch.input_ids, runner._context(batch))  # writes the step's K/V
         cache_after_eager = [(k.clone(), v.clone()) for k, v in runner.cache.layers]
-        graphs = _graphs(runner, (1, 4, 8), capture=False)
+        graphs = _graphs(runner, (1, 4, 8), "eager")
         got = graphs.run(batch)
     assert graphs.outputs[4].shape[0] == 4  # 3 sequences ran padded to 4
     torch.testing.assert_close(got, want)
@@ -125,7 +125,7 @@ def test_replays_in_turn_each_give_the_eager_hidden_states(tmp_path):
     """Each replay sends its own inputs over what the last one left (wider
     tables, more rows, other padding): nothing stale is read."""
     runner = _runner(tmp_path, "cpu", "sdpa")
-    graphs = _graphs(runner, (1, 4, 8), capture=False)
+    graphs = _graphs(runner, (1, 4, 8), "eager")
     for lens in ([5, 16, 40, 70, 2], [3], [33, 1, 17], [100]):
         batch = _decode_batch(runner, lens)
         with torch.inference_mode():
@@ -136,7 +136,7 @@ def test_replays_in_turn_each_give_the_eager_hidden_states(tmp_path):
 
 def test_steps_that_fit_no_graph_run_eagerly(tmp_path):
     runner = _runner(tmp_path, "cpu", "sdpa")
-    graphs = _graphs(runner, (1, 2), capture=False)
+    graphs = _graphs(runner, (1, 2), "eager")
     assert graphs.can_run(_decode_batch(runner, [3, 9]))
     assert not graphs.can_run(_decode_batch(runner, [3, 9, 4]))  # more sequences than the largest graph
     assert not graphs.can_run(_decode_batch(runner, [200]))  # a table wider than the captured one

@@ -210,7 +210,8 @@ _FLAGS = (
     _Flag("cuda_memory_fraction", _float, "share of each GPU's memory a shard may hold: Warmup gives the KV "
           "cache what is free beyond (1 - fraction) of the total; no effect on CPU (default: 1.0)"),
     _Flag("cuda_graphs", _batch_sizes, "decode batch sizes captured as CUDA graphs at warmup, "
-          "e.g. 1,2,4,8; 0 turns them off; CUDA only (default: 1,2,4,8,16,32)"),
+          "e.g. 1,2,4,8; on CPUs the same sizes run decode steps compiled by torch.compile (TGI_CPU_COMPILE=0: "
+          "eager); 0 turns both off (default: 1,2,4,8,16,32)"),
     # Ours.
     _Flag("kv_cache_bytes", _size, "[ours] KV cache budget per shard, e.g. 2GiB (default: sized at Warmup)"),
     _Flag("num_threads", _count, "[ours] torch threads per shard on CPU (default: torch's)"),
