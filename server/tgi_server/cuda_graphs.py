@@ -118,8 +118,16 @@ class DecodeGraphs:
         self.graphs: dict[int, Callable[[], None]] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # size -> static output [size, ...]
         pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
+        # size -> torch's thread count its graph was compiled for: dynamo guards
+        # on it, so a step under another count (the thread governor's doing)
+        # runs eagerly rather than recompiling (~10 s) in the middle of serving.
+        self.threads: dict[int, int] = {}
         if mode == "compile":
             _inductor_cache()
+            # One code object, one graph per size: what an earlier Warmup
+            # compiled can never match again (other static tensors), so it goes.
+            torch._dynamo.reset()
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.sizes))
         for size in reversed(self.sizes):  # largest first: the smaller ones reuse its memory pool
             self.graphs[size] = (self._capture(size, pool) if mode == "capture" else
                                  self._compile(size) if mode == "compile" else self._eager(size))
@@ -149,6 +157,7 @@ class DecodeGraphs:
 
         def run():
             self.outputs[size] = forward(ids, ctx)
+        self.threads[size] = torch.get_num_threads()
         run()  # compiles now, at Warmup, not at the first step of this size
         return run
 
@@ -193,10 +202,13 @@ class DecodeGraphs:
             self._sent.record()
 
     def can_run(self, batch: StepBatch) -> bool:
-        """True for a pure-decode step that fits a captured size and table width."""
-        return (batch.prefill is None and batch.decode is not None
-                and batch.num_decode_tokens <= self.sizes[-1]
-                and batch.decode.block_tables.shape[1] <= self.max_blocks)
+        """True for a pure-decode step that fits a captured size and table width
+        (and, compiled, runs under the thread count its size was compiled for)."""
+        if not (batch.prefill is None and batch.decode is not None and batch.num_decode_tokens <= self.sizes[-1]
+                and batch.decode.block_tables.shape[1] <= self.max_blocks):
+            return False
+        threads = self.threads.get(padded_batch_size(self.sizes, batch.num_decode_tokens))
+        return threads is None or threads == torch.get_num_threads()
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         """The output rows [n, ...] of the step's n decode tokens (see can_run);

@@ -114,3 +114,25 @@ def test_the_switch_and_the_attention_backend_turn_compiling_off(tmp_path, monke
     off = [r.getMessage() for r in caplog.records if "compiled decode steps off" in r.getMessage()]
     assert off == ["compiled decode steps off: TGI_CPU_COMPILE=0",
                    "compiled decode steps off: the sdpa attention backend (only our C++ kernels' is compiled)"]
+
+
+def test_a_step_under_another_thread_count_runs_eagerly_without_recompiling(tmp_path, compiling):
+    """The thread governor changes torch's thread count under load; dynamo
+    guards on it. Such a step runs eagerly instead of compiling again."""
+    path = save_tiny_model("llama", tmp_path / "llama")
+    with InProcessShard(tmp_path, str(path), cuda_graphs=(2,)) as shard:
+        runner = shard.runner
+        runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_batch_size=8))
+        batch = _decode_batch(runner, [30, 12], [[1, 2], [3]])
+        threads = torch.get_num_threads()
+        assert runner.graphs.can_run(batch)
+        try:
+            torch.set_num_threads(1 if threads > 1 else 2)
+            assert not runner.graphs.can_run(batch)
+            with torch.inference_mode():
+                want = runner.model.logits(runner.model(batch.input_ids, runner._context(batch)), None)
+                got = runner._logits(batch)
+            torch.testing.assert_close(got, want)
+        finally:
+            torch.set_num_threads(threads)
+        assert runner.graphs.can_run(batch)
