@@ -87,7 +87,9 @@ class DecodeGraphs:
     included). mode: "capture" (CUDA graphs), "compile" (CPU: torch.compile
     per size, compiled here, at Warmup; raises where inductor cannot), or
     "eager" (tests: the forward on the static tensors, so padding and
-    selection are tested without a GPU or a compiler).
+    selection are tested without a GPU or a compiler). threads: the torch
+    thread count to compile for (the most the shard runs; default: the
+    current count); steps run compiled only under that count.
 
     The static inputs are views of two device buffers, one int64 (token ids,
     positions, slots) and one int32 (context lengths, block tables), each
@@ -99,7 +101,7 @@ class DecodeGraphs:
     def __init__(self, forward: Callable[[torch.Tensor, ForwardContext], torch.Tensor],
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: str, block_size: int,
                  max_blocks: int, scratch_block: int, sizes: tuple[int, ...], device: torch.device,
-                 mode: str = "capture"):
+                 mode: str = "capture", threads: int | None = None):
         self.forward, self.kv_caches, self.backend = forward, kv_caches, backend
         self.block_size, self.max_blocks, self.scratch_block = block_size, max_blocks, scratch_block
         self.sizes = tuple(sorted(sizes))
@@ -122,6 +124,7 @@ class DecodeGraphs:
         # on it, so a step under another count (the thread governor's doing)
         # runs eagerly rather than recompiling (~10 s) in the middle of serving.
         self.threads: dict[int, int] = {}
+        self.compile_threads = threads or torch.get_num_threads()
         if mode == "compile":
             _inductor_cache()
             # One code object, one graph per size: what an earlier Warmup
@@ -157,8 +160,13 @@ class DecodeGraphs:
 
         def run():
             self.outputs[size] = forward(ids, ctx)
-        self.threads[size] = torch.get_num_threads()
-        run()  # compiles now, at Warmup, not at the first step of this size
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.compile_threads)  # whatever the governor last chose
+        try:
+            run()  # compiles now, at Warmup, not at the first step of this size
+        finally:
+            torch.set_num_threads(previous)
+        self.threads[size] = self.compile_threads
         return run
 
     def _capture(self, size: int, pool) -> Callable[[], None]:

@@ -68,6 +68,10 @@ class ModelRunner:
         self.warmed_up = False
         self.cuda_graph_sizes = cuda_graphs
         self.graphs: DecodeGraphs | None = None  # captured at Warmup, once the cache is final
+        # The most torch threads the shard runs (the thread governor may lower
+        # the count under load, never raise it past this): compiled decode
+        # steps are compiled for it.
+        self.max_threads = torch.get_num_threads()
 
     def _table(self, num_blocks: int) -> SequenceTable:
         return SequenceTable(self.block_size, num_blocks, self.config.vocab_size, self.grammars, self.samples)
@@ -141,7 +145,8 @@ class ModelRunner:
             with torch.inference_mode():
                 graphs = DecodeGraphs(logits, self.cache.layers, self.backend, self.block_size,
                                       math.ceil(max_tokens / self.block_size), self.cache.scratch_block,
-                                      sizes, self.device, mode="capture" if self.device.type == "cuda" else "compile")
+                                      sizes, self.device, mode="capture" if self.device.type == "cuda" else "compile",
+                                      threads=self.max_threads)
         except Exception as err:  # inductor without a working compiler, an op it cannot trace
             if self.device.type == "cuda":
                 raise
