@@ -158,10 +158,12 @@ async def engine_throughput(client: ShardClient, warm: pb.WarmupResponse,
     return times.generated / times.elapsed, times.decode_tokens / max(times.decode_time, 1e-9)
 
 
-def start_shard(model_path: Path, socket_dir: str, compiled: bool = False) -> subprocess.Popen:
+def start_shard(model_path: Path, socket_dir: str, compiled: bool = False, governor: bool = True) -> subprocess.Popen:
     """The shard in its own process, in the dtype it chooses itself (serving_dtype);
-    compiled: with the launcher's decode sizes (and 64), which the CPU compiles."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), TGI_CPU_COMPILE="1" if compiled else "0")
+    compiled: with the launcher's decode sizes (and 64), which the CPU compiles;
+    governor False: its thread count fixed (TGI_THREAD_GOVERNOR=0)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), TGI_CPU_COMPILE="1" if compiled else "0",
+               TGI_THREAD_GOVERNOR="1" if governor else "0")
     sizes = ("--cuda-graphs", ",".join(map(str, COMPILED_SIZES))) if compiled else ()
     return subprocess.Popen(
         [sys.executable, "-m", "tgi_server.cli", "serve", str(model_path), "--uds-path",
@@ -201,7 +203,10 @@ def run() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         os.mkdir(f"{tmp}/eager")
         os.mkdir(f"{tmp}/compiled")
-        shards = [start_shard(path, f"{tmp}/eager"), start_shard(path, f"{tmp}/compiled", compiled=True)]
+        # Threads fixed: each shard's governor would count the other's turn as
+        # a busy core and start its own turn on one thread.
+        shards = [start_shard(path, f"{tmp}/eager", governor=False),
+                  start_shard(path, f"{tmp}/compiled", compiled=True, governor=False)]
         try:
             both = asyncio.run(drive({"eager": f"{tmp}/eager/shard-0", "compiled": f"{tmp}/compiled/shard-0"},
                                      prompts))
