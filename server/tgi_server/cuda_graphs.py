@@ -19,14 +19,16 @@ On the CPU every heavy op of a step is already one of our C++ kernels
 (tgi_kernels.native, registered with shape functions), so inductor fuses
 little: what compiling takes away is Python's cost around ~15 ops a layer
 (module calls, attribute lookups, the context's dataclasses). Logits come out
-bit for bit the same. SmolLM2 in bf16, 2 threads, AMD EPYC Zen 4, decode
-steps at 200 tokens of context, compiled and eager alternated in one
-process: 1.09-1.15x at batch 1, 1.06-1.09x at 8, 1.02-1.05x at 32 and 64
-(the GGUF default: 1.09, 1.06, 1.02, 1.02). Compiling takes ~10 s a size on
-two cores, once: inductor's caches live under the kernels' cache
-(`TORCHINDUCTOR_CACHE_DIR`, default ~/.cache/tgi_kernels/inductor), so a
-restart reuses them. One dynamic-shape graph for every size measured only
-1.02-1.04x.
+bit for bit the same at the same row count. SmolLM2 in bf16, 2 threads, AMD
+EPYC Zen 4: `make bench BENCH=engine` (whole steps over gRPC, a compiled and
+an eager shard taking turns) measured decode throughput 1.06x at batch 1,
+1.06x at 8, 1.03x at 32, 1.01x at 64; the forward alone (64 sequences or
+fewer at 200 tokens of context, alternated in one process) 1.09-1.15x at 1,
+1.06-1.09x at 8, 1.02-1.05x at 32 and 64. Compiling takes ~10 s a size on two
+cores, once: inductor's caches live under the kernels' cache
+(`TORCHINDUCTOR_CACHE_DIR`, default ~/.cache/tgi_kernels/inductor), and a
+restart takes ~3.5 s a size. One dynamic-shape graph for every size gave the
+forward only 1.02-1.04x.
 """
 
 import logging
@@ -154,8 +156,8 @@ class DecodeGraphs:
     def _compile(self, size: int) -> Callable[[], None]:
         ctx = self._context(size)
         ids = self.input_ids[:size]
-        # One graph, no breaks (fullgraph), specialized to this size; inductor's
-        # size asserts cost ~1 ms a step of checking our ops' outputs.
+        # One graph, no breaks (fullgraph), specialized to this size; no size
+        # asserts: inductor would check every op's output strides each step.
         forward = torch.compile(self.forward, dynamic=False, fullgraph=True, options={"size_asserts": False})
 
         def run():
