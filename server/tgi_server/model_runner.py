@@ -141,6 +141,9 @@ class ModelRunner:
             return self.model.logits(self.model(input_ids, ctx), None)  # [B, vocab] float32
 
         start = time.perf_counter()
+        if self.device.type == "cpu":
+            log.info("compiling decode steps for batch sizes %s (~10 s each the first time, then cached)",
+                     list(sizes))
         try:
             with torch.inference_mode():
                 graphs = DecodeGraphs(logits, self.cache.layers, self.backend, self.block_size,
