@@ -1,7 +1,14 @@
 """`"watermark": true` through the launcher on the default model: answers of
-200 tokens written with it score z > 4 with the detector, answers written
-without it |z| < 2 (`make bench BENCH=watermark` measures 20 of each), and
-the detector's command line says which is which in its exit code."""
+200 tokens written with it score z > 4 with the detector; answers written
+without it score below the detector's threshold each, and near 0 together
+(|mean z| < 2; `make bench BENCH=watermark` measures 20 of each); and the
+detector's command line says which is which in its exit code.
+
+An unmarked answer's z is a draw from about N(0, 1), and which one the
+server writes depends on which requests shared its steps (the int4 GEMMs'
+rows): each of four under 2 held in ~83% of runs (one CI run drew 2+, and
+two local runs of the same requests drew 1.91, -0.47, -1.47, 0.16 and
+1.91, -0.47, -0.96, -0.86). Their mean's spread is half a z."""
 
 import json
 import subprocess
@@ -9,7 +16,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from benchmarks.watermark import TOPICS, answers
-from tgi_server.sampling.watermark_detect import detect
+from tgi_server.sampling.watermark_detect import THRESHOLD, detect
 
 from .router_harness import launch
 
@@ -25,7 +32,8 @@ def test_watermarked_answers_are_detected_and_others_are_not(tmp_path):
         proc.wait(30)
     assert all(n == 200 for _, n in marked + plain)
     assert all(detect(None, text)["z"] > 4 for text, _ in marked)
-    assert all(abs(detect(None, text)["z"]) < 2 for text, _ in plain)
+    plain_z = [detect(None, text)["z"] for text, _ in plain]
+    assert all(z < THRESHOLD for z in plain_z) and abs(sum(plain_z) / len(plain_z)) < 2, plain_z
     for (text, _), code in ((marked[0], 0), (plain[0], 1)):
         done = subprocess.run([sys.executable, "-m", "tgi_server.cli", "watermark-detect"], input=text,
                               capture_output=True, text=True, timeout=120)
