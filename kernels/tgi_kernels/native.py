@@ -62,6 +62,16 @@ def _cpu_flags() -> str:
     return ""
 
 
+def machine_tag() -> str:
+    """16 hex digits of torch's version, the CPU's flags and the kernels ATen
+    dispatches (ATEN_CPU_CAPABILITY may lower them): what code generated for
+    this machine depends on, for caches that do not key on it themselves."""
+    h = hashlib.sha256()
+    for part in (torch.__version__, _cpu_flags(), torch.backends.cpu.get_cpu_capability()):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def _sources() -> list[Path]:
     return sorted(SOURCES.glob("*.cpp"))
 
@@ -100,10 +110,15 @@ def _run(cmd: list[str]) -> None:
         raise RuntimeError(f"{' '.join(cmd[:2])} ... failed:\n{done.stderr[-4000:]}")
 
 
+def find_compiler() -> str | None:
+    """The C++ compiler: $CXX, else g++, c++ or clang++ on PATH; None without one."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
 def build(root: Path | None = None) -> Path:
     """Builds the library for this machine unless cached; returns its path.
     Raises RuntimeError when no compiler is found or the build fails."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    compiler = find_compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
     root = root or cache_root()

@@ -26,19 +26,19 @@ an eager shard taking turns) measured decode throughput 1.06x at batch 1,
 fewer at 200 tokens of context, alternated in one process) 1.09-1.15x at 1,
 1.06-1.09x at 8, 1.02-1.05x at 32 and 64. Compiling takes ~10 s a size on two
 cores, once: inductor's caches live under the kernels' cache
-(`TORCHINDUCTOR_CACHE_DIR`, default ~/.cache/tgi_kernels/inductor), and a
+(`TORCHINDUCTOR_CACHE_DIR`, default ~/.cache/tgi_kernels/inductor/<machine>), and a
 restart takes ~3.5 s a size. One dynamic-shape graph for every size gave the
 forward only 1.02-1.04x.
 """
 
 import logging
 import os
-import shutil
 from collections.abc import Callable
 
 import torch
 
 from tgi_kernels import DecodeMeta
+from tgi_kernels.native import cache_root, find_compiler, machine_tag
 
 from .batch import StepBatch
 from .layers.attention import ForwardContext
@@ -69,16 +69,21 @@ def compile_available() -> str | None:
     or no C++ compiler for inductor's generated code."""
     if os.environ.get(COMPILE_ENV, "1") == "0":
         return f"{COMPILE_ENV}=0"
-    if not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
+    if find_compiler() is None:
         return "no C++ compiler (g++, c++ or clang++) on PATH"
     return None
 
 
 def _inductor_cache() -> None:
-    """Inductor's on-disk caches beside our kernels' (unless the caller chose a place)."""
-    from tgi_kernels.native import cache_root
-
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+    """Inductor's on-disk caches beside our kernels' (or under the place the
+    caller, or inductor itself once it ran, chose), one folder per
+    machine_tag: inductor reused code it had generated for AVX-512 when the
+    same machine ran with ATEN_CPU_CAPABILITY=avx2, and the logits were wrong
+    (6.7 off on a tiny llama; right from a fresh cache)."""
+    tag = machine_tag()
+    base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(cache_root() / "inductor")
+    if os.path.basename(base) != tag:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, tag)
 
 
 class DecodeGraphs:
@@ -122,11 +127,11 @@ class DecodeGraphs:
         self.graphs: dict[int, Callable[[], None]] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # size -> static output [size, ...]
         pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
-        # size -> torch's thread count its graph was compiled for: dynamo guards
-        # on it, so a step under another count (the thread governor's doing)
-        # runs eagerly rather than recompiling (~10 s) in the middle of serving.
-        self.threads: dict[int, int] = {}
-        self.compile_threads = threads or torch.get_num_threads()
+        # The torch thread count every compiled size is compiled for (None: not
+        # compiled): dynamo guards on it, so a step under another count (the
+        # thread governor's doing) runs eagerly rather than recompiling (~10 s)
+        # in the middle of serving.
+        self.threads = (threads or torch.get_num_threads()) if mode == "compile" else None
         if mode == "compile":
             _inductor_cache()
             # One code object, one graph per size: what an earlier Warmup
@@ -163,12 +168,11 @@ class DecodeGraphs:
         def run():
             self.outputs[size] = forward(ids, ctx)
         previous = torch.get_num_threads()
-        torch.set_num_threads(self.compile_threads)  # whatever the governor last chose
+        torch.set_num_threads(self.threads)  # whatever the governor last chose
         try:
             run()  # compiles now, at Warmup, not at the first step of this size
         finally:
             torch.set_num_threads(previous)
-        self.threads[size] = self.compile_threads
         return run
 
     def _capture(self, size: int, pool) -> Callable[[], None]:
@@ -214,11 +218,9 @@ class DecodeGraphs:
     def can_run(self, batch: StepBatch) -> bool:
         """True for a pure-decode step that fits a captured size and table width
         (and, compiled, runs under the thread count its size was compiled for)."""
-        if not (batch.prefill is None and batch.decode is not None and batch.num_decode_tokens <= self.sizes[-1]
-                and batch.decode.block_tables.shape[1] <= self.max_blocks):
-            return False
-        threads = self.threads.get(padded_batch_size(self.sizes, batch.num_decode_tokens))
-        return threads is None or threads == torch.get_num_threads()
+        return (batch.prefill is None and batch.decode is not None and batch.num_decode_tokens <= self.sizes[-1]
+                and batch.decode.block_tables.shape[1] <= self.max_blocks
+                and self.threads in (None, torch.get_num_threads()))
 
     def run(self, batch: StepBatch) -> torch.Tensor:
         """The output rows [n, ...] of the step's n decode tokens (see can_run);

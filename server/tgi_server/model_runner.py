@@ -157,7 +157,7 @@ class ModelRunner:
                         str(err).strip().splitlines()[0] if str(err).strip() else "")
             return None
         log.info("%s for decode batch sizes %s in %.1f s", "captured CUDA graphs" if self.device.type == "cuda"
-                 else "compiled decode steps", list(sizes), time.perf_counter() - start)
+                 else what, list(sizes), time.perf_counter() - start)
         return graphs
 
     def _batch(self, seqs: list[ShardSequence]) -> StepBatch:

@@ -86,7 +86,6 @@ def add_tgi_routes(app: FastAPI, gate: Gate, engine: Engine, settings: ApiSettin
         return JSONResponse([p.SimpleToken(id=i, text=t, start=a, stop=b).model_dump() for i, t, a, b in tokens])
 
 
-
 async def _tgi_events(gate: Gate, admitted: Admitted) -> AsyncIterator[bytes]:
     """/generate_stream's SSE events; a failure is the last event, as TGI."""
     stream = admitted.streams[0]
