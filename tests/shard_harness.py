@@ -22,6 +22,7 @@ from tgi_router.scheduling.client import ShardClient
 from tgi_router.scheduling.engine import Engine
 from tgi_router.scheduling.scheduler import Scheduler
 from tgi_router.scheduling.sequence import Sequence, StoppingCriteria
+from tgi_router.scheduling.speculation import SpeculationPolicy
 from tgi_server.config import ShardConfig
 from tgi_server.model_runner import ModelRunner
 from tgi_server.service import serve
@@ -134,6 +135,14 @@ def chunked_logprobs(runner: ModelRunner, ids: list[int], chunk: int) -> torch.T
     return torch.tensor(logprobs[1:])  # the first token has none
 
 
+class DraftAlways(SpeculationPolicy):
+    """Lets every decoding sequence draft the most, every step (tests of
+    exactness want drafts checked, whatever they cost)."""
+
+    def drafts(self, decoding, batch):
+        return {s.id: self.max_drafts for s in decoding}
+
+
 def greedy(**kw) -> pb.SamplingParameters:
     return pb.SamplingParameters(**kw)
 
@@ -244,17 +253,20 @@ async def run_prompts(socket: str | list[str], prompts: list[list[int]], max_new
                       params: list[pb.SamplingParameters] | None = None, stop_ids=(),
                       max_batch_tokens: int = 4096, arrivals: list[int] | None = None,
                       warmup_tokens: int = 256, stats: dict | None = None,
-                      prefix_caching: bool = True, adapters: list[int] | None = None) -> list[Sequence]:
+                      prefix_caching: bool = True, adapters: list[int] | None = None,
+                      speculation: SpeculationPolicy | None = None) -> list[Sequence]:
     """Generates for every prompt in one continuous batch over gRPC, on one
     shard or on every rank of a group (`socket` a list, in rank order).
 
     arrivals[i] is the step at which prompt i joins (staggered arrivals).
     stats, when given, receives the preemptions and prefix-cache hit tokens.
-    adapters[i]: the LoRA adapter of prompt i (0: the base model)."""
+    adapters[i]: the LoRA adapter of prompt i (0: the base model).
+    speculation: the scheduler's draft policy (None: no speculation)."""
     client = ShardClient([socket] if isinstance(socket, str) else socket, timeout=120)
     try:
         warm = await client.warmup(warmup_tokens, 64)
-        scheduler = Scheduler(BlockManager(warm.num_blocks, warm.block_size, prefix_caching), max_batch_tokens)
+        scheduler = Scheduler(BlockManager(warm.num_blocks, warm.block_size, prefix_caching), max_batch_tokens,
+                              speculation=speculation)
         engine = Engine(client, scheduler)
         seqs = [Sequence(id=i + 1, token_ids=list(p), params=(params or [greedy()] * len(prompts))[i],
                          stopping=StoppingCriteria(max_new_tokens, frozenset(stop_ids)),

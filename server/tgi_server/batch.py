@@ -12,7 +12,8 @@ from .sequences import ShardSequence
 @dataclass(frozen=True)
 class StepBatch:
     """A ragged batch with no padding: decoding sequences (one token each)
-    first, then prefill chunks, flattened into T tokens."""
+    first, then prefill chunks and sequences with drafts, flattened into T
+    tokens."""
 
     seqs: list[ShardSequence]    # in batch order (decodes, then prefills)
     input_ids: torch.Tensor      # [T] int64
@@ -23,7 +24,7 @@ class StepBatch:
     prefill: PrefillMeta | None
     logits_rows: torch.Tensor    # [S] int64 rows of the flat batch whose logits are needed
     samplers: list[ShardSequence]  # sequences that sample this step, in batch order
-    sample_rows: list[int]       # per sampler, its row in the logits [S]
+    sample_rows: list[int]       # per sampler, its (first) row in the logits [S]: 1 + its drafts rows
     prompt_rows: list[tuple[ShardSequence, int, int]]  # (seq, first logits row, count) for prefill logprobs
     lora_segments: list[tuple[int, int, int]]  # (LoRA adapter > 0, first row, end row): runs of rows
 
@@ -66,9 +67,9 @@ def build_batch(seqs: list[ShardSequence], block_size: int, device: torch.device
             logits_rows.extend(range(first, first + n))
             if seq.samples:
                 sample_rows.append(len(logits_rows) - 1)
-        elif seq.samples:
+        elif seq.samples:  # the last known token's row, then each draft's
             sample_rows.append(len(logits_rows))
-            logits_rows.append(first + n - 1)
+            logits_rows.extend(range(first + n - 1 - seq.drafted, first + n))
 
     def tensor(values, dtype=torch.int64):
         return torch.tensor(values, dtype=dtype, device=device)

@@ -27,6 +27,7 @@ from .sampling.grammar import GrammarCompiler
 from .sampling.sampler import Sampler, prompt_logprobs
 from .sampling.watermark import Watermark
 from .sequences import SequenceTable, ShardSequence
+from .speculation.verify import accepted, row_contexts
 
 log = logging.getLogger("tgi_server")
 
@@ -247,35 +248,52 @@ class ModelRunner:
         if not self.samples:
             return out
         if sampling:
+            # Rows to sample: one per sampler, 1 + drafts for one with drafts.
+            owners, contexts = row_contexts(sampling)
             rows = batch.sample_rows
+            if len(owners) > len(sampling):
+                rows = [rows[i] + j for i, seq in enumerate(sampling) for j in range(1 + seq.drafted)]
             # Usually every logits row samples: skip a copy of [S, vocab].
             sample_logits = logits if rows == list(range(logits.shape[0])) else logits[rows]
-            # A sequence has a grammar only when self.grammars compiled it.
-            constrained = [i for i, s in enumerate(sampling) if s.grammar is not None]
+            # A sequence has a grammar only when self.grammars compiled it (and never drafts).
+            constrained = [j for j, i in enumerate(owners) if sampling[i].grammar is not None]
             processors = []
             if constrained:
-                processors.append(self.grammars.mask(constrained, [sampling[i].grammar for i in constrained]))
+                processors.append(self.grammars.mask(constrained, [sampling[owners[j]].grammar for j in constrained]))
             result = self.sampler(
-                sample_logits, [s.params for s in sampling],
-                [s.token_ids for s in sampling], [s.prompt_length for s in sampling], processors)
+                sample_logits, [sampling[i].params for i in owners], contexts,
+                [sampling[i].prompt_length for i in owners], processors)
             if constrained:
-                settled = self.grammars.settle([(sampling[i].grammar, result.token_ids[i]) for i in constrained])
-                for i, token in zip(constrained, settled):
-                    if token != result.token_ids[i]:
+                settled = self.grammars.settle([(sampling[owners[j]].grammar, result.token_ids[j]) for j in constrained])
+                for j, token in zip(constrained, settled):
+                    if token != result.token_ids[j]:
                         # A budget replaced the draw (rare, see grammar_budget.py): the
                         # replacement's logprob is under the model's own logits, before
                         # penalties, mask and warpers (the sampler leaves them untouched).
-                        result.token_ids[i] = token
-                        result.logprobs[i] = torch.log_softmax(sample_logits[i].float(), -1)[token].item()
-                self.grammars.consume([(sampling[i].grammar, result.token_ids[i]) for i in constrained])
-            for i, seq in enumerate(sampling):
+                        result.token_ids[j] = token
+                        result.logprobs[j] = torch.log_softmax(sample_logits[j].float(), -1)[token].item()
+                self.grammars.consume([(sampling[owners[j]].grammar, result.token_ids[j]) for j in constrained])
+            first = 0
+            for seq in sampling:
+                rows_of_seq = 1 + seq.drafted
+                kept = accepted(seq, result.token_ids[first:first + rows_of_seq]) if seq.drafted else 1
                 gen = out[seq.id]
                 gen.sampled = True
-                gen.token_id = result.token_ids[i]
-                gen.logprob = result.logprobs[i]
-                gen.top_tokens.extend(pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in result.top_tokens[i])
+                gen.num_drafted = seq.drafted
+                # The known tokens computed and the accepted drafts.
+                gen.num_computed_tokens = seq.num_computed + seq.scheduled - seq.drafted + kept - 1
+                for j in range(first, first + kept):
+                    top = (pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in result.top_tokens[j])
+                    if j == first:
+                        gen.token_id, gen.logprob = result.token_ids[j], result.logprobs[j]
+                        gen.top_tokens.extend(top)
+                    else:
+                        gen.next_tokens.append(pb.NextToken(token_id=result.token_ids[j],
+                                                            logprob=result.logprobs[j], top_tokens=top))
                 gen.grammar_complete = seq.grammar is not None and seq.grammar.complete
-                seq.sampled = gen.token_id  # joins token_ids at the sequence's next step
+                # They replace the drafts in token_ids at the sequence's next step.
+                seq.sampled = result.token_ids[first:first + kept]
+                first += rows_of_seq
         for seq, first, count in batch.prompt_rows:
             out[seq.id].prefill_tokens.extend(self._prompt_tokens(seq, logits[first:first + count]))
         return out

@@ -8,6 +8,7 @@ from tgi_proto import pb
 
 from .sampling.grammar import GrammarCompiler, GrammarError, SequenceGrammar
 from .sampling.sampler import SamplingParams
+from .speculation.ngram import NgramIndex
 
 
 class StepError(ValueError):
@@ -29,14 +30,46 @@ class ShardSequence:
     # Constrained decoding: the grammar's state after this sequence's generated
     # tokens (it consumes each sampled token); None: unconstrained.
     grammar: SequenceGrammar | None = None
-    # Rank 0: the token sampled by the last step that computed this sequence,
-    # appended to token_ids when the sequence is next scheduled; None: none.
-    sampled: int | None = None
+    # Rank 0: the tokens sampled by the last step that computed this sequence
+    # (one, or more when drafts were accepted), appended to token_ids when the
+    # sequence is next scheduled; None: none.
+    sampled: list[int] | None = None
+    max_new_tokens: int = 0     # the most tokens it may generate (0: unknown)
+    constrained: bool = False   # it has a grammar (on every rank; only rank 0 compiles it)
+    # Speculation: draft tokens at the end of token_ids, computed by the current
+    # (or last) step and settled when the sequence is next scheduled; and the
+    # n-gram index that proposes them, built on the first draft.
+    drafted: int = 0
+    ngram: NgramIndex | None = None
 
     @property
     def samples(self) -> bool:
         """Whether the current step reaches the last known token."""
         return self.num_computed + self.scheduled == len(self.token_ids)
+
+    def settle(self, sampled: list[int]) -> None:
+        """Replaces the last step's drafts by what it sampled: the accepted
+        drafts and the token after them (all of `sampled`); num_computed
+        keeps the known token and the accepted drafts only."""
+        if self.drafted:
+            del self.token_ids[len(self.token_ids) - self.drafted:]
+            self.num_computed -= self.drafted - (len(sampled) - 1)
+            self.drafted = 0
+        self.token_ids.extend(sampled)
+
+    def draft(self, limit: int) -> None:
+        """Appends up to `limit` n-gram drafts after the last token (which the
+        step computes): the step then computes and checks them too."""
+        if self.max_new_tokens:  # the drafts and the token after them must fit the length limit
+            limit = min(limit, self.max_new_tokens - (len(self.token_ids) - self.prompt_length) - 1)
+        if limit <= 0:
+            return
+        if self.ngram is None:
+            self.ngram = NgramIndex()
+        drafts = self.ngram.propose(self.token_ids, limit)
+        self.token_ids.extend(drafts)
+        self.drafted = len(drafts)
+        self.scheduled += self.drafted
 
 
 def params_from_proto(p: pb.SamplingParameters) -> SamplingParams:
@@ -84,17 +117,20 @@ class SequenceTable:
     def apply(self, request: pb.StepRequest, agree: Callable[[bool], bool] = _alone,
               share: Callable[[list[int]], list[int]] = _own) -> list[ShardSequence]:
         """Applies releases, new sequences and deltas (each running sequence
-        first takes the token it sampled last, if any); returns the scheduled
+        first takes the tokens it sampled last, if any, in place of its
+        drafts); returns the scheduled
         sequences (running, then new, in request order) with `scheduled` set.
 
-        First calls `share(tokens)` exactly once with this rank's sampled
-        token (-1: none) per running sequence: it returns rank 0's, so that
-        every rank of a tensor-parallel group appends the tokens rank 0
-        sampled. Then validates everything before changing anything but the
+        First calls `share(values)` exactly once with this rank's sampled
+        tokens per running sequence (`_sampled`'s layout): it returns rank
+        0's, so that every rank of a tensor-parallel group appends the tokens
+        rank 0 sampled. Drafts are proposed last, from the same tokens on
+        every rank. Then validates everything before changing anything but the
         releases, and calls `agree(valid)` exactly once: it answers whether
         every rank found the step valid (rank 0 alone checks grammars), so
         that all ranks run the step or none does."""
-        sampled = share([self._sampled(r.id) for r in request.running])
+        sampled = self._unpack(share([v for r in request.running for v in self._sampled(r.id)]),
+                               request.running)
         try:
             staged = self._stage(request, sampled)
         except Exception:
@@ -103,18 +139,40 @@ class SequenceTable:
         if not agree(True):
             raise StepError("another shard rejected the step")
         scheduled_seqs = []
-        for seq, tokens, blocks, scheduled in staged:
+        drafts = [r.num_draft_tokens for r in request.running] + [0] * len(request.new_sequences)
+        for (seq, tokens, blocks, scheduled), limit in zip(staged, drafts):
             seq.sampled = None
-            seq.token_ids.extend(tokens)
+            seq.settle(tokens)
             seq.block_table.extend(blocks)
             seq.scheduled = scheduled
+            if limit and scheduled == 1 and seq.samples and not seq.constrained:
+                seq.draft(limit)
             self._seqs[seq.id] = seq
             scheduled_seqs.append(seq)
         return scheduled_seqs
 
-    def _sampled(self, seq_id: int) -> int:
+    def _sampled(self, seq_id: int) -> list[int]:
+        """A running sequence's slot in the shared values: 2 + its drafts of
+        the last step long (a width every rank knows), holding how many
+        tokens it sampled, then those tokens (-1 where none)."""
         seq = self._seqs.get(seq_id)
-        return -1 if seq is None or seq.sampled is None else seq.sampled
+        if seq is None:
+            return [0, -1]
+        slot = [0] + [-1] * (1 + seq.drafted)
+        if seq.sampled is not None:
+            slot[0] = len(seq.sampled)
+            slot[1:1 + len(seq.sampled)] = seq.sampled
+        return slot
+
+    def _unpack(self, values: list[int], running) -> list[list[int]]:
+        """Per running sequence, the tokens it sampled (`_sampled`'s slots)."""
+        out, i = [], 0
+        for r in running:
+            seq = self._seqs.get(r.id)
+            width = 2 + (seq.drafted if seq is not None else 0)
+            out.append(values[i + 1:i + 1 + values[i]])
+            i += width
+        return out
 
     def _stage(self, request: pb.StepRequest,
                sampled: list[int]) -> list[tuple[ShardSequence, list[int], list[int], int]]:
@@ -132,9 +190,12 @@ class SequenceTable:
         self.release(request.release_ids)
         staged = ([self._delta(r, t) for r, t in zip(request.running, sampled)]
                   + [self._new(n) for n in request.new_sequences])
-        for seq, tokens, blocks, scheduled in staged:
-            self._check(seq.id, seq.num_computed, len(seq.token_ids) + len(tokens),
-                        len(seq.block_table) + len(blocks), scheduled, blocks)
+        drafts = [r.num_draft_tokens for r in request.running] + [0] * len(request.new_sequences)
+        for (seq, tokens, blocks, scheduled), limit in zip(staged, drafts):
+            # As the sequence will be once the last step's drafts are settled.
+            computed = seq.num_computed - (seq.drafted - len(tokens) + 1 if seq.drafted else 0)
+            self._check(seq.id, computed, len(seq.token_ids) - seq.drafted + len(tokens),
+                        len(seq.block_table) + len(blocks), scheduled, limit, blocks)
             if tokens and max(tokens) >= self.vocab_size:
                 raise StepError(f"sequence {seq.id}: token id {max(tokens)} is outside the "
                                 f"vocabulary (size {self.vocab_size})")
@@ -144,15 +205,19 @@ class SequenceTable:
                 seq.grammar = self._grammar(seq.id, n.parameters, tokens[seq.prompt_length:])
         return staged
 
-    def _delta(self, r: pb.RunningSequence, sampled: int):
-        return self._seqs[r.id], [sampled] if sampled >= 0 else [], list(r.new_block_ids), r.num_scheduled_tokens
+    def _delta(self, r: pb.RunningSequence, sampled: list[int]):
+        seq = self._seqs[r.id]
+        if seq.drafted and not sampled:
+            raise StepError(f"sequence {r.id}: its drafts were never checked")
+        return seq, sampled, list(r.new_block_ids), r.num_scheduled_tokens
 
     def _new(self, n: pb.NewSequence):
         seq = ShardSequence(
             id=n.id, token_ids=[], prompt_length=n.prompt_length or len(n.token_ids),
             num_computed=n.num_computed_tokens, block_table=[],
             params=params_from_proto(n.parameters), prefill_logprobs=n.parameters.prefill_logprobs,
-            adapter=n.adapter)
+            adapter=n.adapter, max_new_tokens=n.parameters.max_new_tokens,
+            constrained=bool(n.parameters.grammar))
         return seq, list(n.token_ids), list(n.block_table), n.num_scheduled_tokens
 
     def _grammar(self, seq_id: int, p: pb.SamplingParameters, generated: list[int]) -> SequenceGrammar:
@@ -164,14 +229,14 @@ class SequenceTable:
         except GrammarError as err:
             raise StepError(f"sequence {seq_id}: {err}") from None
 
-    def _check(self, seq_id: int, computed: int, total: int, blocks: int, scheduled: int,
+    def _check(self, seq_id: int, computed: int, total: int, blocks: int, scheduled: int, drafts: int,
                new_blocks: list[int]) -> None:
         if scheduled < 1 or computed + scheduled > total:
             raise StepError(f"sequence {seq_id}: {scheduled} tokens scheduled but "
                             f"{total - computed} remain to compute")
-        if blocks * self.block_size < computed + scheduled:
+        if blocks * self.block_size < computed + scheduled + drafts:
             raise StepError(f"sequence {seq_id}: {blocks} blocks cannot hold "
-                            f"{computed + scheduled} tokens")
+                            f"{computed + scheduled + drafts} tokens")
         if any(b >= self.num_blocks for b in new_blocks):
             raise StepError(f"sequence {seq_id}: block id out of range (num_blocks={self.num_blocks})")
 

@@ -101,10 +101,20 @@ def test_cors_allow_origin_repeats():
 
 
 def test_other_tgi_flags_are_accepted_and_recorded_as_ignored():
-    argv = ["--speculate", "2", "--usage-stats", "off", "--disable-custom-kernels", "-e"]
+    argv = ["--usage-stats", "off", "--disable-custom-kernels", "-e"]
     config = parse_args(argv, {"VALIDATION_WORKERS": "4"})
-    assert set(config.ignored_flags) == {"--speculate", "--usage-stats", "--disable-custom-kernels",
+    assert set(config.ignored_flags) == {"--usage-stats", "--disable-custom-kernels",
                                          "--env", "--validation-workers"}
+
+
+def test_speculate_is_a_count_up_to_the_limit():
+    assert parse_args(["--speculate", "3"], {}).speculate == 3
+    assert parse_args([], {"SPECULATE": "6"}).speculate == 6
+    assert parse_args([], {}).speculate == 0
+    with pytest.raises(ConfigError):
+        parse_args(["--speculate", "33"], {})
+    with pytest.raises(ConfigError):
+        parse_args(["--speculate", "-1"], {})
 
 
 def test_log_level_comes_from_tgis_variable():

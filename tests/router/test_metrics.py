@@ -34,6 +34,7 @@ TGI_TYPES = {
     "tgi_batch_filter_duration": "histogram",
     "tgi_batch_inference_duration": "histogram",
     "tgi_batch_concat": "counter",
+    "tgi_request_skipped_tokens": "histogram",
 }
 EXTRA_TYPES = {
     "tgi_request_duration_seconds": "histogram",
@@ -50,6 +51,9 @@ EXTRA_TYPES = {
     "tgi_lora_requests": "counter",
     "tgi_otlp_spans_exported": "counter",
     "tgi_otlp_spans_dropped": "counter",
+    "tgi_speculative_draft_tokens": "counter",
+    "tgi_speculative_accepted_tokens": "counter",
+    "tgi_speculative_acceptance_rate": "gauge",
 }
 
 
@@ -88,6 +92,20 @@ def step(m: Metrics, method: str = "decode", size: int = 3, max_tokens: int = 12
 
 def test_every_tgi_name_has_its_type_line(metrics):
     assert types(scrape(metrics)) == TGI_TYPES | EXTRA_TYPES
+
+
+def test_skipped_tokens_use_tgis_buckets_and_speculation_counts():
+    m = Metrics(max_input_tokens=1000, max_total_tokens=2000, speculate=3)
+    m.speculated([0, 3, 1], drafted=7, accepted=4, rate=4 / 7)
+    m.speculated([2], drafted=3, accepted=2, rate=6 / 10)
+    text = scrape(m)
+    assert les(text, "tgi_request_skipped_tokens") == ["0.0", "1.0", "2.0", "3.0", "+Inf"]  # 0..speculate
+    assert value(text, "tgi_request_skipped_tokens_count") == 4
+    assert value(text, "tgi_request_skipped_tokens_sum") == 6
+    assert value(text, 'tgi_request_skipped_tokens_bucket{le="1.0"}') == 2
+    assert value(text, "tgi_speculative_draft_tokens") == 10
+    assert value(text, "tgi_speculative_accepted_tokens") == 6
+    assert value(text, "tgi_speculative_acceptance_rate") == pytest.approx(0.6)
 
 
 def test_exposition_parses_as_prometheus_text(metrics):

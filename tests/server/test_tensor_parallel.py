@@ -21,7 +21,7 @@ from tgi_server.layers.attention import HeadShard
 from tgi_server.model_loader import load_model, open_checkpoint, weight_bytes
 from tgi_server.weights.resolve import default_model_path, resolve_model
 
-from ..shard_harness import (InProcessShard, ShardProcesses, greedy, run_prompts, save_tiny_model,
+from ..shard_harness import (DraftAlways, InProcessShard, ShardProcesses, greedy, run_prompts, save_tiny_model,
                              save_tiny_served_model)
 
 PROMPTS = [[1, 5, 9, 13, 200, 3], list(range(3, 40)), [7] * 20, [250, 4, 4, 17]]
@@ -48,8 +48,9 @@ def call(sockets: list[str], fn):
     return asyncio.run(go())
 
 
-def generate(sockets, params=None) -> list[list[int]]:
-    return [s.generated_ids for s in asyncio.run(run_prompts(sockets, PROMPTS, 12, params=params))]
+def generate(sockets, params=None, speculation=None) -> list[list[int]]:
+    return [s.generated_ids for s in asyncio.run(run_prompts(sockets, PROMPTS, 12, params=params,
+                                                             speculation=speculation))]
 
 
 def logprob_step(sockets) -> pb.Generation:
@@ -93,6 +94,16 @@ def test_greedy_tokens_match_one_shard(group):
 def test_seeded_sampling_matches_one_shard(group):
     _, shards, reference = group
     assert generate(shards.sockets, SAMPLED) == reference.sampled
+
+
+def test_speculation_gives_every_rank_the_tokens_rank_0_kept(group):
+    """Every rank drafts from the same tokens and appends what rank 0 kept
+    (several tokens a step when drafts are accepted)."""
+    _, shards, reference = group
+    policy = DraftAlways(3)
+    assert generate(shards.sockets, speculation=policy) == reference.greedy
+    assert generate(shards.sockets, SAMPLED, speculation=DraftAlways(3)) == reference.sampled
+    assert policy.total_accepted > 0
 
 
 def test_logprobs_and_top_tokens_match_one_shard(group):

@@ -27,6 +27,7 @@ QUANTIZE = ("awq", "compressed-tensors", "eetq", "exl2", "gptq", "marlin", "bits
 QUANTIZE_SERVED = ("awq", "eetq", "gptq")    # the rest are TGI's choices we do not implement
 ROPE_SCALINGS = ("linear", "dynamic", "yarn")  # TGI: linear, dynamic; ours: yarn too
 KV_CACHE_DTYPES = ("fp8_e4m3fn", "fp8_e5m2")  # TGI's --kv-cache-dtype values
+MAX_SPECULATE = 32  # --speculate: more drafts than this are never accepted often enough to pay
 
 
 class ConfigError(ValueError):
@@ -80,6 +81,7 @@ class RouterConfig:
     watermark_gamma: float | None = None  # None: the shard's default, 0.5 (TGI's)
     watermark_delta: float | None = None  # None: 2.0
     kv_cache_dtype: str | None = None  # fp8_e4m3fn | fp8_e5m2: float8 KV blocks; None: the model's dtype
+    speculate: int = 0  # most draft tokens per sequence and step (n-gram lookup); 0: no speculation
     # Ours, not TGI's.
     kv_cache_bytes: int = 0        # KV cache budget passed to each shard; 0: sized at Warmup
     num_threads: int = 0           # torch threads per shard on CPU; 0: torch's default
@@ -197,6 +199,10 @@ _FLAGS = (
     _Flag("kv_cache_dtype", _choice(KV_CACHE_DTYPES), "KV cache blocks in float8: fp8_e4m3fn or fp8_e5m2, "
           "twice the tokens in the same memory (per-layer k/v scales from the checkpoint, else 1.0); on CUDA "
           "the triton attention backend becomes the default (default: the model's dtype)"),
+    _Flag("speculate", lambda t: _count(t, MAX_SPECULATE), "speculative decoding: each decoding sequence "
+          "may draft up to this many tokens per step by n-gram lookup in its own prompt and output, checked "
+          "in the same forward; outputs are exactly those without it, and the scheduler drafts less as the "
+          f"batch grows (at most {MAX_SPECULATE}; default: 0, off)"),
     _Flag("lora_adapters", str, "LoRA adapters to serve beside the base model: comma-separated hub ids or "
           "local PEFT directories, or name=path; a request picks one with parameters.adapter_id, or with "
           "`model` on the OpenAI routes"),
@@ -235,8 +241,6 @@ _FLAGS = (
 _IGNORED = {
     "validation_workers": (True, "no effect: each request is validated in a worker thread as it arrives; "
                                  "there is no pool of tokenizer workers to size"),
-    "speculate": (True, "no effect yet: speculative decoding is not implemented (tokens are the same "
-                        "without it, only slower)"),
     "weights_cache_override": (True, "no effect: TGI's Inference Endpoints weights path; weights come from "
                                      "--model-id or the Hugging Face cache (--huggingface-hub-cache)"),
     "disable_custom_kernels": (False, "no effect: TGI's switch for its CUDA extensions; ours are picked per "

@@ -20,6 +20,7 @@ from tgi_router.scheduling.block_manager import BlockManager
 from tgi_router.scheduling.client import ShardClient, ShardError
 from tgi_router.scheduling.engine import Engine
 from tgi_router.scheduling.scheduler import Scheduler
+from tgi_router.scheduling.speculation import SpeculationPolicy
 from tgi_router.scheduling.step_pacer import StepPacer
 from tgi_router.telemetry.metrics import Metrics
 from tgi_router.text.input_bound import max_chars_per_token
@@ -103,13 +104,15 @@ async def _build(config: RouterConfig, client: ShardClient):
              "max_batch_prefill_tokens=%d max_batch_total_tokens=%d", warm.num_blocks, warm.block_size,
              limits.max_input_tokens, limits.max_total_tokens, limits.max_batch_prefill_tokens,
              limits.max_batch_total_tokens)
-    metrics = Metrics(limits.max_input_tokens, limits.max_total_tokens, tuple(info.adapter_ids))
+    metrics = Metrics(limits.max_input_tokens, limits.max_total_tokens, tuple(info.adapter_ids),
+                      config.speculate or 0)
     metrics.max_total_tokens(limits.max_batch_total_tokens)
     metrics.kv_blocks(warm.num_blocks, 0, warm.num_blocks)
     blocks = BlockManager(warm.num_blocks, warm.block_size, config.prefix_caching)
     scheduler = Scheduler(blocks, limits.max_batch_prefill_tokens, config.max_batch_size or 0,
                           config.waiting_served_ratio, config.max_waiting_tokens,
-                          StepPacer(warm.block_size, config.max_stall_ratio) if config.max_stall_ratio else None)
+                          StepPacer(warm.block_size, config.max_stall_ratio) if config.max_stall_ratio else None,
+                          SpeculationPolicy(config.speculate) if config.speculate else None)
     engine = Engine(client, scheduler, tokenizer, tuple(info.eos_token_ids), metrics)
     settings = ApiSettings(
         info=p.Info(model_id=info.model_id, max_concurrent_requests=config.max_concurrent_requests,

@@ -171,12 +171,21 @@ class Engine:
                 self._deliver(stream, seq, by_id[seq.id])
 
     def _deliver(self, stream: RequestStream, seq: Sequence, gen: pb.Generation) -> None:
-        event, stop_matched = stream.on_generation(seq, gen)
-        if event is None:
+        """Streams the tokens of gen that seq kept (update drops those after
+        an end), one event each; a stop string ends seq at its token."""
+        stream.on_generation(seq, gen)
+        if not gen.sampled:
             return
-        if stop_matched and seq.finish_reason is None:
-            self.scheduler.finish(seq, FinishReason.STOP_SEQUENCE)
-        stream.emit(seq, event)
+        delivered = len(stream.text_of(seq).tokens)
+        for sampled in (gen, *gen.next_tokens):
+            if delivered == seq.num_generated:
+                break
+            event, stop_matched = stream.on_token(seq, sampled)
+            delivered += 1
+            if stop_matched and seq.finish_reason is None:
+                self.scheduler.finish(seq, FinishReason.STOP_SEQUENCE)
+                del seq.token_ids[seq.prompt_length + delivered:]  # accepted drafts past the stop
+            stream.emit(seq, event, last=seq.finish_reason is not None and delivered == seq.num_generated)
         if seq.finish_reason is not None:
             del self._streams[seq.id]
 
@@ -202,6 +211,11 @@ class Engine:
         self.metrics.prefix_cache(stats.queried_tokens, stats.hit_tokens)
         for chunks in stats.prefill_chunks:
             self.metrics.prefill_chunks(chunks)
+        policy = self.scheduler.speculation
+        if policy is not None:
+            gens = [g for g in response.generations if g.sampled]
+            self.metrics.speculated([len(g.next_tokens) for g in gens], sum(g.num_drafted for g in gens),
+                                    sum(len(g.next_tokens) for g in gens), policy.acceptance_rate)
 
     def _trace(self, step: ScheduledStep, sent: _Sent, answered: float) -> None:
         """A span per traced request of the step, from its sending to its answer applied."""

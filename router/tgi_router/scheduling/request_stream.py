@@ -100,29 +100,30 @@ class RequestStream:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return TokenOut(token_id, text, logprob, token_id in self.tokenizer.all_special_ids)
 
-    def on_generation(self, seq: Sequence, gen: pb.Generation) -> tuple[StreamEvent | None, bool]:
-        """Records one step's output of seq: (its token's event, or None for
-        a prefill chunk; whether a stop string matched)."""
+    def on_generation(self, seq: Sequence, gen: pb.Generation) -> None:
+        """Records one step's prompt output of seq (its prompt logprobs)."""
+        self.timings.first_scheduled = self.timings.first_scheduled or time.perf_counter()
+        self.text_of(seq).prefill.extend(self.token(t.token_id, t.logprob) for t in gen.prefill_tokens)
+
+    def on_token(self, seq: Sequence, sampled: pb.Generation | pb.NextToken) -> tuple[StreamEvent, bool]:
+        """Records one generated token of seq (a Generation's first token or
+        one of its next_tokens): (its event, whether a stop string matched)."""
         state = self.text_of(seq)
         now = time.perf_counter()
-        self.timings.first_scheduled = self.timings.first_scheduled or now
-        state.prefill.extend(self.token(t.token_id, t.logprob) for t in gen.prefill_tokens)
-        if not gen.sampled:
-            return None, False
-        text = state.detok.add(gen.token_id)
+        text = state.detok.add(sampled.token_id)
         _, matched = state.stops.feed(text)
-        token = self.token(gen.token_id, gen.logprob, text)
-        top = [self.token(t.token_id, t.logprob) for t in gen.top_tokens]
+        token = self.token(sampled.token_id, sampled.logprob, text)
+        top = [self.token(t.token_id, t.logprob) for t in sampled.top_tokens]
         state.tokens.append(token)
         state.top_tokens.append(top)
         self.timings.first_token = self.timings.first_token or now
         self.timings.last_token = now
         return StreamEvent(token, top), matched is not None
 
-    def emit(self, seq: Sequence, event: StreamEvent) -> None:
-        """Queues a token's event; on the sequence's last token the event
+    def emit(self, seq: Sequence, event: StreamEvent, last: bool) -> None:
+        """Queues a token's event; the sequence's last token's event (`last`)
         carries its result. best_of > 1 (never streamed) answers at the end."""
-        if seq.finish_reason is not None:
+        if last:
             # The last token also carries text held back for incomplete UTF-8.
             tail = self.text_of(seq).detok.flush()
             token = TokenOut(event.token.id, event.token.text + tail, event.token.logprob, event.token.special)

@@ -28,13 +28,15 @@ from tgi_proto import pb
 
 from tgi_router.scheduling.block_manager import BlockManager, chain_hashes
 from tgi_router.scheduling.sequence import FinishReason, Sequence, Status
+from tgi_router.scheduling.speculation import SpeculationPolicy
 from tgi_router.scheduling.step_pacer import StepPacer
 
 
 @dataclass(frozen=True)
 class ScheduledStep:
-    seqs: list[tuple[Sequence, int]]   # (sequence, tokens to compute), running first
+    seqs: list[tuple[Sequence, int]]   # (sequence, tokens to compute incl. drafts), running first
     release_ids: list[int]             # sequences the shards should drop first
+    drafts: dict[int, int] = field(default_factory=dict)  # sequence id -> draft tokens allowed (speculation)
 
 
 @dataclass
@@ -53,12 +55,21 @@ class Scheduler:
     join. With a `pacer`, prompt tokens in a step where sequences decode are
     bounded by its `prompt_cap` (running prompts' chunks and newcomers
     alike), and a join that the bound cuts short goes on over the next steps
-    until the queue is in, whatever the ratio says meanwhile."""
+    until the queue is in, whatever the ratio says meanwhile.
+
+    With `speculation`, decoding sequences may draft tokens that the shards
+    check in the same step (SpeculationPolicy says how many): drafts count
+    against the step's budget after the running sequences' own tokens and
+    before newcomers', and get blocks only where free ones are left (a
+    draft never preempts). Accepted drafts advance num_computed like any
+    computed token; rejected ones leave no trace."""
 
     def __init__(self, blocks: BlockManager, max_batch_tokens: int, max_batch_size: int = 0,
-                 waiting_served_ratio: float = 0.0, max_waiting_tokens: int = 0, pacer: StepPacer | None = None):
+                 waiting_served_ratio: float = 0.0, max_waiting_tokens: int = 0, pacer: StepPacer | None = None,
+                 speculation: SpeculationPolicy | None = None):
         self.blocks = blocks
         self.pacer = pacer
+        self.speculation = speculation
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size or 1 << 30
         self.waiting_served_ratio = waiting_served_ratio
@@ -107,23 +118,30 @@ class Scheduler:
                 budget -= n
                 if seq.remaining > 1:
                     prompt -= n
+        drafts = self._drafts([(seq, seq.num_generated) for seq, n in chosen if seq.remaining == 1], budget)
+        for seq, _ in chosen:
+            if seq.id in drafts and not self._grow(seq, 1 + drafts[seq.id]):
+                del drafts[seq.id]  # no free blocks for them: it decodes without
+        chosen = [(seq, n + drafts.get(seq.id, 0)) for seq, n in chosen]
+        budget -= sum(drafts.values())
         if self._may_join(len(chosen)):
             pending = {h for seq, n in chosen for h in self._filled_hashes(seq, seq.num_computed, n)}
             self._admit(chosen, budget, prompt, pending)
         self._steps_since_join += 1
-        return ScheduledStep(chosen, self.take_releases())
+        return ScheduledStep(chosen, self.take_releases(), drafts)
 
     def schedule_ahead(self, inflight: ScheduledStep) -> ScheduledStep | None:
         """The step after `inflight`, sent before `update(inflight)`: running
         sequences as they will be once it has run, then newcomers; None when
         nothing can run or a running sequence lacks blocks (no preemption
         here: apply `inflight` first, then `schedule()`)."""
+        # A sequence with drafts in flight may have them all accepted: room for that.
         ahead = {seq.id: n for seq, n in inflight.seqs}
         wanted: list[tuple[Sequence, int, int]] = []  # (sequence, tokens it needs, computed before them)
         for seq in self.running:
             computed = seq.num_computed + ahead.get(seq.id, 0)
             remaining = len(seq.token_ids) - computed
-            if remaining == 0:  # it samples in the step in flight
+            if remaining <= 0:  # it samples in the step in flight (-drafts when it has drafts)
                 if seq.num_generated + 1 >= seq.stopping.max_new_tokens:
                     continue  # that token is its last
                 remaining = 1
@@ -142,6 +160,10 @@ class Scheduler:
                 prompt -= n
             plan.append((seq, n, computed))
             budget -= n
+        # Generated tokens once the step in flight has run: at least one more when it samples.
+        drafts = self._drafts([(seq, seq.num_generated + (len(seq.token_ids) <= c)) for seq, n, c in plan
+                               if n == 1 and len(seq.token_ids) - c <= 1], budget)
+        plan = [(seq, n + drafts.get(seq.id, 0), c) for seq, n, c in plan]
         missing = [self.blocks.blocks_for(c + n) - len(seq.block_table) for seq, n, c in plan]
         if sum(m for m in missing if m > 0) > self.blocks.num_available:
             return None
@@ -149,6 +171,7 @@ class Scheduler:
             if m > 0:
                 seq.block_table.extend(self.blocks.allocate(m))
         chosen = [(seq, n) for seq, n, _ in plan]
+        budget -= sum(drafts.values())
         if self._may_join(len(chosen)):
             # Blocks the step in flight fills are not registered yet: a
             # newcomer that could hit them waits, as for this step's own.
@@ -159,7 +182,22 @@ class Scheduler:
         if not chosen:
             return None
         self._steps_since_join += 1
-        return ScheduledStep(chosen, self.take_releases())
+        return ScheduledStep(chosen, self.take_releases(), drafts)
+
+    def _drafts(self, decoding: list[tuple[Sequence, int]], budget: int) -> dict[int, int]:
+        """Draft tokens for the (sequence, tokens it will have generated) that
+        decode in a step, within `budget` tokens: the policy's count, less
+        what would pass the sequence's max_new_tokens; none under a grammar."""
+        if self.speculation is None or not decoding:
+            return {}
+        allowed = self.speculation.drafts([seq for seq, _ in decoding], len(decoding))
+        out = {}
+        for seq, generated in decoding:
+            k = min(allowed.get(seq.id, 0), seq.stopping.max_new_tokens - generated - 1, budget)
+            if k > 0 and not seq.params.grammar:
+                out[seq.id] = k
+                budget -= k
+        return out
 
     def take_stats(self) -> PrefillStats:
         """Prefix-cache and chunking counts since the last call."""
@@ -308,50 +346,64 @@ class Scheduler:
                     num_computed_tokens=seq.num_computed, num_scheduled_tokens=n,
                     block_table=seq.block_table, parameters=seq.params, adapter=seq.adapter))
             else:
+                drafts = step.drafts.get(seq.id, 0)
                 request.running.append(pb.RunningSequence(
-                    id=seq.id, new_block_ids=seq.block_table[seq.shard_blocks:], num_scheduled_tokens=n))
+                    id=seq.id, new_block_ids=seq.block_table[seq.shard_blocks:], num_scheduled_tokens=n - drafts,
+                    num_draft_tokens=drafts))
             seq.on_shard, seq.shard_blocks = True, len(seq.block_table)
         return request
 
     def update(self, step: ScheduledStep, response: pb.StepResponse) -> list[Sequence]:
         """Applies the shards' generations and registers the blocks they
         filled; returns the sequences that finished. Sequences that ended
-        while the step ran (cancelled, stop string) are left alone."""
-        if self.pacer is not None:
-            decodes = sum(1 for seq, n in step.seqs if n == 1 and seq.num_generated)
-            self.pacer.observe(decodes, sum(n for _, n in step.seqs) - decodes, response.timings.total_ns / 1e9)
+        while the step ran (cancelled, stop string) are left alone. Of
+        several tokens sampled in one step (accepted drafts), those after
+        one that ends the sequence are dropped."""
         by_id = {g.id: g for g in response.generations}
+        seconds = response.timings.total_ns / 1e9
+        if self.speculation is not None:
+            self.speculation.observe(step.seqs, step.drafts, by_id, seconds)
+        if self.pacer is not None and not step.drafts:
+            decodes = sum(1 for seq, n in step.seqs if n == 1 and seq.num_generated)
+            self.pacer.observe(decodes, sum(n for _, n in step.seqs) - decodes, seconds)
         finished = []
         for seq, n in step.seqs:
             if seq.status is not Status.RUNNING:
                 continue
-            if self.blocks.prefix_caching:
-                first = seq.num_computed // self.blocks.block_size
-                for block, h in zip(seq.block_table[first:], self._filled_hashes(seq, seq.num_computed, n)):
-                    self.blocks.register(block, h)
-            seq.num_computed += n
             gen = by_id[seq.id]
+            start = seq.num_computed
+            reason = None
+            if gen.sampled:
+                for i, token in enumerate((gen.token_id, *(t.token_id for t in gen.next_tokens))):
+                    seq.token_ids.append(token)
+                    last = i == len(gen.next_tokens)
+                    reason = self._stop_reason(seq, token, gen.grammar_complete and last)
+                    if reason is not None:
+                        break
+            # The known tokens scheduled, and the drafts accepted.
+            seq.num_computed += n - step.drafts.get(seq.id, 0) + len(gen.next_tokens)
+            if self.blocks.prefix_caching:
+                first = start // self.blocks.block_size
+                for block, h in zip(seq.block_table[first:],
+                                    self._filled_hashes(seq, start, seq.num_computed - start)):
+                    self.blocks.register(block, h)
             if seq.id in self._prefilling:
                 self._prefilling[seq.id] += 1
                 if gen.sampled:
                     self._stats.prefill_chunks.append(self._prefilling.pop(seq.id))
-            if not gen.sampled:
-                continue
-            seq.token_ids.append(gen.token_id)
-            reason = self._stop_reason(seq, gen)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
 
     @staticmethod
-    def _stop_reason(seq: Sequence, gen: pb.Generation) -> FinishReason | None:
+    def _stop_reason(seq: Sequence, token: int, grammar_complete: bool) -> FinishReason | None:
         """TGI's order: the length limit wins over an EOS on the last token,
         except that a grammar completed by the last token ended the text:
         that is an end, as the EOS the grammar allows next would be."""
         if seq.num_generated >= seq.stopping.max_new_tokens:
-            return FinishReason.EOS_TOKEN if gen.grammar_complete else FinishReason.LENGTH
-        if not seq.stopping.ignore_eos and gen.token_id in seq.stopping.stop_token_ids:
+            return FinishReason.EOS_TOKEN if grammar_complete else FinishReason.LENGTH
+        if not seq.stopping.ignore_eos and token in seq.stopping.stop_token_ids:
             return FinishReason.EOS_TOKEN
         return None
 

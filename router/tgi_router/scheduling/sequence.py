@@ -50,6 +50,10 @@ class Sequence:
     # they outlive preemption.
     block_hashes: list[int] = field(default_factory=list)
     adapter: int = 0  # 0: the base model; i > 0: the shards' i-th LoRA adapter (Info.adapter_ids)
+    # Speculation: decayed counts of this sequence's drafts accepted and
+    # checked (a rejection ends a check), for SpeculationPolicy.rate.
+    draft_accepted: float = 0.0
+    draft_checked: float = 0.0
 
     def __post_init__(self):
         self.prompt_length = self.prompt_length or len(self.token_ids)

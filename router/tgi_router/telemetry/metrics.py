@@ -32,7 +32,12 @@ Beyond TGI:
 * `tgi_lora_requests{adapter}`: requests per LoRA adapter (--lora-adapters;
   the base model's requests are not counted here);
 * `tgi_otlp_spans_{exported,dropped}` counters: trace spans the OTLP
-  exporter sent, and those it dropped (--otlp-endpoint; 0 without).
+  exporter sent, and those it dropped (--otlp-endpoint; 0 without);
+* `tgi_speculative_{draft,accepted}_tokens` counters and the
+  `tgi_speculative_acceptance_rate` gauge (accepted / drafted since start):
+  speculative decoding (--speculate). TGI's own `tgi_request_skipped_tokens`
+  histogram (buckets 0..speculate) takes, per sequence and step, the tokens
+  past the first that the step gave it.
 
 Label sets that TGI closes (`method`, `err`, `reason`) are checked and their
 series created at zero up front, so `increase()` sees the first event.
@@ -89,13 +94,21 @@ class Metrics:
     TGI does; both must be positive.
     """
 
-    def __init__(self, max_input_tokens: int, max_total_tokens: int, adapters: tuple[str, ...] = ()):
+    def __init__(self, max_input_tokens: int, max_total_tokens: int, adapters: tuple[str, ...] = (),
+                 speculate: int = 0):
         if max_input_tokens < 1 or max_total_tokens < 1:
             raise ValueError("max_input_tokens and max_total_tokens must be positive")
         self.registry = CollectorRegistry(auto_describe=True)
         self.content_type = CONTENT_TYPE
         self._build_request_metrics(max_input_tokens, max_total_tokens)
         self._build_batch_metrics()
+        self._skipped_tokens = self._histogram(
+            "tgi_request_skipped_tokens", "Speculated tokens per request", [float(x) for x in range(speculate + 1)])
+        self._draft_tokens = self._counter("tgi_speculative_draft_tokens", "Draft tokens the shards checked")
+        self._accepted_tokens = self._counter(
+            "tgi_speculative_accepted_tokens", "Draft tokens accepted (equal to the token decoding would give)")
+        self._acceptance_rate = self._gauge(
+            "tgi_speculative_acceptance_rate", "Accepted draft tokens per draft token checked, since start")
         self._lora_requests = self._counter("tgi_lora_requests", "Requests per LoRA adapter", ("adapter",))
         for adapter in adapters:
             self._lora_requests.labels(adapter)
@@ -302,6 +315,15 @@ class Metrics:
     def prefill_chunks(self, chunks: int) -> None:
         """A prefill completed after `chunks` steps."""
         self._prefill_chunks.observe(chunks)
+
+    def speculated(self, skipped: list[int], drafted: int, accepted: int, rate: float) -> None:
+        """One step's speculation: per sequence that sampled, the tokens it got
+        past the first; drafts checked and accepted in all; the rate since start."""
+        for n in skipped:
+            self._skipped_tokens.observe(n)
+        self._draft_tokens.inc(drafted)
+        self._accepted_tokens.inc(accepted)
+        self._acceptance_rate.set(rate)
 
     def lora_request(self, adapter: str) -> None:
         """A validated request runs LoRA adapter `adapter` (one of those loaded)."""
