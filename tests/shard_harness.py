@@ -153,12 +153,12 @@ class InProcessShard:
     def __init__(self, tmp_path: Path, model_id: str | None, dtype: str = "float32",
                  kv_cache_bytes: int = 64 << 20, block_size: int = 16, backend: str | None = None,
                  lora_adapters: str | None = None, quantize: str | None = None,
-                 cuda_graphs: tuple[int, ...] = ()):
+                 cuda_graphs: tuple[int, ...] = (), speculative_model: str | None = None):
         self.config = ShardConfig(
             model_id=model_id, revision=None, uds_path=str(tmp_path / "shard"), dtype=dtype,
             device="cpu", block_size=block_size, kv_cache_bytes=kv_cache_bytes,
             attention_backend=backend, num_threads=0, lora_adapters=lora_adapters, quantize=quantize,
-            cuda_graphs=cuda_graphs)
+            cuda_graphs=cuda_graphs, speculative_model=speculative_model)
         self.runner, self.info = load_shard(self.config)
         self.socket = self.config.socket_path
         self._loop = asyncio.new_event_loop()

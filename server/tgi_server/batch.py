@@ -11,9 +11,12 @@ from .sequences import ShardSequence
 
 @dataclass(frozen=True)
 class StepBatch:
-    """A ragged batch with no padding: decoding sequences (one token each)
-    first, then prefill chunks and sequences with drafts, flattened into T
-    tokens."""
+    """A ragged batch with no padding: decode rows first, then prefill
+    chunks, flattened into T tokens. A decoding sequence is one decode row;
+    one with d drafts is 1 + d decode rows, row i attending to the sequence's
+    first computed + i + 1 positions (every row's K/V is stored before any
+    row attends), which is exactly what decoding those tokens one step at a
+    time computes, on the same kernels (compiled decode steps included)."""
 
     seqs: list[ShardSequence]    # in batch order (decodes, then prefills)
     input_ids: torch.Tensor      # [T] int64
@@ -36,8 +39,8 @@ class StepBatch:
 
 
 def build_batch(seqs: list[ShardSequence], block_size: int, device: torch.device) -> StepBatch:
-    decodes = [s for s in seqs if s.scheduled == 1]
-    prefills = [s for s in seqs if s.scheduled > 1]
+    decodes = [s for s in seqs if s.scheduled == 1 + s.drafted]
+    prefills = [s for s in seqs if s.scheduled > 1 + s.drafted]
     if any(s.adapter for s in seqs):  # each adapter's tokens in one run of decodes and one of prefills
         decodes.sort(key=lambda s: s.adapter)
         prefills.sort(key=lambda s: s.adapter)
@@ -79,9 +82,10 @@ def build_batch(seqs: list[ShardSequence], block_size: int, device: torch.device
         input_ids=tensor(ids),
         positions=tensor(positions),
         slot_mapping=tensor(slots),
-        num_decode_tokens=len(decodes),
-        decode=build_decode_meta([s.num_computed + 1 for s in decodes],
-                                 [_blocks(s, block_size) for s in decodes], device) if decodes else None,
+        num_decode_tokens=sum(s.scheduled for s in decodes),
+        decode=build_decode_meta([s.num_computed + i + 1 for s in decodes for i in range(s.scheduled)],
+                                 [_blocks(s, block_size) for s in decodes for _ in range(s.scheduled)],
+                                 device) if decodes else None,
         prefill=build_prefill_meta([s.scheduled for s in prefills], [s.num_computed for s in prefills],
                                    [_blocks(s, block_size) for s in prefills], device) if prefills else None,
         logits_rows=tensor(logits_rows),

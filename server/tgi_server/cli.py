@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "(env LORA_ADAPTERS)")
     serve.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                        help="float8 KV cache blocks (twice the tokens of 16-bit ones; default: the model's dtype)")
+    serve.add_argument("--speculative-model", default=None,
+                       help="draft model for speculation (same tokenizer; default: n-gram drafts)")
     serve.add_argument("--json-output", action="store_true", help="log JSON lines")
     quantize = sub.add_parser("quantize", help="write a GPTQ or AWQ checkpoint of a float model")
     quantize.add_argument("model_id", help="local directory, .gguf file or hub id in the HF cache")
@@ -113,7 +115,8 @@ def config_from_args(args: argparse.Namespace) -> ShardConfig:
         master_port=int(os.environ.get("MASTER_PORT", "29500")), cuda_graphs=args.cuda_graphs,
         rope=_rope(args.rope_scaling, args.rope_factor), cuda_memory_fraction=_fraction(args.cuda_memory_fraction),
         watermark_gamma=_gamma(args.watermark_gamma), watermark_delta=args.watermark_delta,
-        lora_adapters=args.lora_adapters, kv_cache_dtype=args.kv_cache_dtype)
+        lora_adapters=args.lora_adapters, kv_cache_dtype=args.kv_cache_dtype,
+        speculative_model=args.speculative_model)
 
 
 def _gamma(value: float) -> float:

@@ -28,6 +28,7 @@ class ShardConfig:
     watermark_delta: float = 2.0  # bias added to the green logits
     lora_adapters: str | None = None  # --lora-adapters: "id,name=path,..."; None: no adapters
     kv_cache_dtype: str | None = None  # fp8_e4m3fn | fp8_e5m2: float8 KV blocks; None: the model's dtype
+    speculative_model: str | None = None  # a draft model for speculation (same tokenizer); None: n-gram drafts
 
     @property
     def socket_path(self) -> str:

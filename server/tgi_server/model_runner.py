@@ -27,6 +27,7 @@ from .sampling.grammar import GrammarCompiler
 from .sampling.sampler import Sampler, prompt_logprobs
 from .sampling.watermark import Watermark
 from .sequences import SequenceTable, ShardSequence
+from .speculation.draft_model import DraftModel
 from .speculation.verify import accepted, row_contexts
 
 log = logging.getLogger("tgi_server")
@@ -40,7 +41,9 @@ class ModelRunner:
     GPU's memory the shard may hold when Warmup sizes the cache itself
     (--cuda-memory-fraction). watermark: gamma and delta for requests that
     ask for the watermark (None: TGI's defaults). kv_cache_dtype: the KV
-    blocks' dtype (a float8 one: --kv-cache-dtype; None: the model's)."""
+    blocks' dtype (a float8 one: --kv-cache-dtype; None: the model's).
+    draft: the model that proposes drafts (--speculative-model; None:
+    n-gram lookup), built by `attach_draft`."""
 
     def __init__(self, loaded: LoadedModel, block_size: int, attention_backend: str | None,
                  kv_cache_bytes: int, grammars: GrammarCompiler | None = None,
@@ -73,6 +76,12 @@ class ModelRunner:
         # the count under load, never raise it past this): compiled decode
         # steps are compiled for it.
         self.max_threads = torch.get_num_threads()
+        self.draft: DraftModel | None = None
+
+    def attach_draft(self, loaded: LoadedModel, kv_cache_dtype: torch.dtype | None = None) -> None:
+        """Drafts from now on come from `loaded` (the target's device, dtype
+        and group), its K/V in a cache beside the target's, before Warmup."""
+        self.draft = DraftModel(loaded, self.block_size, self.backend, self.config.vocab_size, kv_cache_dtype)
 
     def _table(self, num_blocks: int) -> SequenceTable:
         return SequenceTable(self.block_size, num_blocks, self.config.vocab_size, self.grammars, self.samples)
@@ -95,14 +104,19 @@ class ModelRunner:
         self.run_scratch(batch_size, batch_size, decode=True)
         budget = (request.kv_cache_bytes or self.kv_cache_bytes
                   or kv_cache_budget(self.device, self.tp.world_size, self.memory_fraction))
-        num_blocks = int(max(1, budget // self.kv_spec.bytes_per_block - 1))  # one block stays the scratch block
+        # A block holds its tokens' K/V in the target's cache and, with a draft model, in the draft's.
+        per_block = self.kv_spec.bytes_per_block + (self.draft.kv_spec.bytes_per_block if self.draft else 0)
+        num_blocks = int(max(1, budget // per_block - 1))  # one block stays the scratch block
         num_blocks = self.tp.min_over_ranks(num_blocks)
         self.cache = KVCache(self.kv_spec, num_blocks, self.device)
+        if self.draft is not None:
+            self.draft.allocate(num_blocks)
         self.table = self._table(num_blocks)
         self.graphs = self._capture_graphs(batch_size)
         self.warmed_up = True
         return pb.WarmupResponse(
-            num_blocks=num_blocks, block_size=self.block_size, kv_cache_bytes=self.cache.nbytes,
+            num_blocks=num_blocks, block_size=self.block_size,
+            kv_cache_bytes=self.cache.nbytes + (self.draft.cache.nbytes if self.draft else 0),
             max_supported_total_tokens=num_blocks * self.block_size,
             warmup_ns=time.perf_counter_ns() - start)
 
@@ -164,7 +178,7 @@ class ModelRunner:
     def _batch(self, seqs: list[ShardSequence]) -> StepBatch:
         """The step's inputs: on the host for a pure decode step that a graph
         will replay (DecodeGraphs sends them in two copies), else on the device."""
-        if self.graphs is not None and all(s.scheduled == 1 for s in seqs):
+        if self.graphs is not None and all(s.scheduled == 1 + s.drafted for s in seqs):
             batch = build_batch(seqs, self.block_size, torch.device("cpu"))
             return batch if self.graphs.can_run(batch) else batch.to(self.device)
         return build_batch(seqs, self.block_size, self.device)
@@ -215,6 +229,7 @@ class ModelRunner:
         if not seqs:
             return pb.StepResponse(step_id=request.step_id, timings=pb.Timings(total_ns=time.perf_counter_ns() - t0))
         try:
+            self._draft([s for s in seqs if s.draft_limit])
             batch = self._batch(seqs)
             t1 = time.perf_counter_ns()
             with torch.inference_mode():
@@ -232,6 +247,18 @@ class ModelRunner:
             step_id=request.step_id,
             generations=[generations[s.id] for s in seqs],
             timings=pb.Timings(prepare_ns=t1 - t0, forward_ns=t2 - t1, sample_ns=t3 - t2, total_ns=t3 - t0))
+
+    def _draft(self, seqs: list[ShardSequence]) -> None:
+        """Appends each sequence's drafts (up to its draft_limit): from the
+        draft model when the shard has one, else by n-gram lookup."""
+        if not seqs:
+            return
+        if self.draft is not None:
+            with torch.inference_mode():
+                self.draft.propose(seqs)
+            return
+        for seq in seqs:
+            seq.add_drafts(seq.ngram_drafts())
 
     def _context(self, batch: StepBatch) -> ForwardContext:
         return ForwardContext(

@@ -36,11 +36,15 @@ class ShardSequence:
     sampled: list[int] | None = None
     max_new_tokens: int = 0     # the most tokens it may generate (0: unknown)
     constrained: bool = False   # it has a grammar (on every rank; only rank 0 compiles it)
-    # Speculation: draft tokens at the end of token_ids, computed by the current
-    # (or last) step and settled when the sequence is next scheduled; and the
-    # n-gram index that proposes them, built on the first draft.
+    # Speculation: the most drafts the current step may add (set by apply);
+    # the drafts at the end of token_ids, computed by the current (or last)
+    # step and settled when the sequence is next scheduled; the n-gram index
+    # that proposes them (built on the first draft); and, with a draft model,
+    # how many leading positions hold the draft model's K/V.
+    draft_limit: int = 0
     drafted: int = 0
     ngram: NgramIndex | None = None
+    draft_computed: int = 0
 
     @property
     def samples(self) -> bool:
@@ -50,26 +54,35 @@ class ShardSequence:
     def settle(self, sampled: list[int]) -> None:
         """Replaces the last step's drafts by what it sampled: the accepted
         drafts and the token after them (all of `sampled`); num_computed
-        keeps the known token and the accepted drafts only."""
+        keeps the known token and the accepted drafts only, and the draft
+        model's K/V stays valid up to the last accepted draft it read."""
+        known = len(self.token_ids) - self.drafted
         if self.drafted:
-            del self.token_ids[len(self.token_ids) - self.drafted:]
+            del self.token_ids[known:]
             self.num_computed -= self.drafted - (len(sampled) - 1)
             self.drafted = 0
+        self.draft_computed = min(self.draft_computed, known + max(0, len(sampled) - 1))
         self.token_ids.extend(sampled)
 
-    def draft(self, limit: int) -> None:
-        """Appends up to `limit` n-gram drafts after the last token (which the
-        step computes): the step then computes and checks them too."""
-        if self.max_new_tokens:  # the drafts and the token after them must fit the length limit
+    def allow_drafts(self, limit: int) -> None:
+        """Lets the current step draft up to `limit` tokens, fewer where the
+        drafts and the token after them would pass max_new_tokens."""
+        if self.max_new_tokens:
             limit = min(limit, self.max_new_tokens - (len(self.token_ids) - self.prompt_length) - 1)
-        if limit <= 0:
-            return
+        self.draft_limit = max(0, limit)
+
+    def add_drafts(self, drafts: list[int]) -> None:
+        """Appends drafts after the last token (which the step computes): the
+        step then computes and checks them too."""
+        self.token_ids.extend(drafts)
+        self.drafted += len(drafts)
+        self.scheduled += len(drafts)
+
+    def ngram_drafts(self) -> list[int]:
+        """Up to draft_limit drafts by n-gram lookup in the sequence's own tokens."""
         if self.ngram is None:
             self.ngram = NgramIndex()
-        drafts = self.ngram.propose(self.token_ids, limit)
-        self.token_ids.extend(drafts)
-        self.drafted = len(drafts)
-        self.scheduled += self.drafted
+        return self.ngram.propose(self.token_ids, self.draft_limit)
 
 
 def params_from_proto(p: pb.SamplingParameters) -> SamplingParams:
@@ -124,8 +137,9 @@ class SequenceTable:
         First calls `share(values)` exactly once with this rank's sampled
         tokens per running sequence (`_sampled`'s layout): it returns rank
         0's, so that every rank of a tensor-parallel group appends the tokens
-        rank 0 sampled. Drafts are proposed last, from the same tokens on
-        every rank. Then validates everything before changing anything but the
+        rank 0 sampled. Each sequence's draft_limit says how many drafts the
+        step may add (the caller proposes them, from the same tokens on every
+        rank). Then validates everything before changing anything but the
         releases, and calls `agree(valid)` exactly once: it answers whether
         every rank found the step valid (rank 0 alone checks grammars), so
         that all ranks run the step or none does."""
@@ -145,8 +159,9 @@ class SequenceTable:
             seq.settle(tokens)
             seq.block_table.extend(blocks)
             seq.scheduled = scheduled
+            seq.draft_limit = 0
             if limit and scheduled == 1 and seq.samples and not seq.constrained:
-                seq.draft(limit)
+                seq.allow_drafts(limit)
             self._seqs[seq.id] = seq
             scheduled_seqs.append(seq)
         return scheduled_seqs
@@ -217,7 +232,7 @@ class SequenceTable:
             num_computed=n.num_computed_tokens, block_table=[],
             params=params_from_proto(n.parameters), prefill_logprobs=n.parameters.prefill_logprobs,
             adapter=n.adapter, max_new_tokens=n.parameters.max_new_tokens,
-            constrained=bool(n.parameters.grammar))
+            constrained=bool(n.parameters.grammar), draft_computed=n.num_computed_tokens)
         return seq, list(n.token_ids), list(n.block_table), n.num_scheduled_tokens
 
     def _grammar(self, seq_id: int, p: pb.SamplingParameters, generated: list[int]) -> SequenceGrammar:

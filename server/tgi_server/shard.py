@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -79,6 +80,8 @@ def load_shard(config: ShardConfig) -> tuple[ModelRunner, pb.InfoResponse]:
              c.model_type, c.num_layers, time.perf_counter() - start, runner.backend, tp.rank, tp.world_size,
              heads.num_heads, c.num_heads, heads.num_kv_heads, c.num_kv_heads,
              loaded.weight_bytes / 2**20, loaded.weight_bytes)
+    if config.speculative_model:
+        _attach_draft(runner, config, dtype, kernel_dtype, tp, tokenizer_json, kv_dtype)
     if kv_dtype is not None:
         scaled = sum(1 for m in loaded.model.modules() if isinstance(m, Attention) and m.kv_scaled)
         log.info("KV cache blocks in %s: %d of %d layers with the checkpoint's k/v scales, the others 1.0",
@@ -96,6 +99,39 @@ def load_shard(config: ShardConfig) -> tuple[ModelRunner, pb.InfoResponse]:
         tokenizer_json=tokenizer_json, tokenizer_config_json=tokenizer_config_json,
         adapter_ids=loaded.adapters.names if loaded.adapters is not None else [])
     return runner, info
+
+
+def _attach_draft(runner: ModelRunner, config: ShardConfig, dtype: torch.dtype, kernel_dtype: torch.dtype | None,
+                  tp: TensorParallel, tokenizer_json: str, kv_dtype: torch.dtype | None) -> None:
+    """Loads --speculative-model as the runner's draft model, on the target's
+    device, dtype and group; refuses one whose vocabulary is not the target's
+    (its token ids would mean other text)."""
+    source = resolve_model(config.speculative_model, None)
+    start = time.perf_counter()
+    c, weights = open_checkpoint(source, dtype, runner.device, None, kernel_dtype, None, None)
+    draft_tokenizer, _ = export_tokenizer(source)
+    if not same_vocabulary(tokenizer_json, draft_tokenizer):
+        raise ValueError(f"the speculative model {source.model_id} does not share the model's tokenizer: "
+                         "its drafts would be other tokens")
+    c.check_tensor_parallel(tp.world_size)
+    loaded = load_model(c, weights, tp)
+    runner.attach_draft(loaded, kv_dtype)
+    log.info("speculative model %s (%s): %d layers, %.1f MiB of weights, loaded in %.1f s", source.model_id,
+             c.model_type, c.num_layers, loaded.weight_bytes / 2**20, time.perf_counter() - start)
+
+
+def same_vocabulary(a: str, b: str) -> bool:
+    """Whether two `tokenizers` JSON texts map the same strings to the same ids
+    (their model vocabularies and added tokens); empty texts never match."""
+    if not a or not b:
+        return False
+    ja, jb = json.loads(a), json.loads(b)
+
+    def ids(j: dict) -> tuple:
+        vocab = j.get("model", {}).get("vocab")
+        added = sorted((t["id"], t["content"]) for t in j.get("added_tokens", []))
+        return json.dumps(vocab, sort_keys=True), tuple(added)
+    return ids(ja) == ids(jb)
 
 
 async def run_shard(runner: ModelRunner, info: pb.InfoResponse, socket_path: str) -> None:

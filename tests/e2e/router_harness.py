@@ -23,7 +23,8 @@ class RunningServer:
 
     def __init__(self, tmp_path: Path, model_path: str, **config):
         tmp_path.mkdir(parents=True, exist_ok=True)
-        self.shard = InProcessShard(tmp_path, model_path, kv_cache_bytes=config.pop("kv_cache_bytes", 16 << 20))
+        self.shard = InProcessShard(tmp_path, model_path, kv_cache_bytes=config.pop("kv_cache_bytes", 16 << 20),
+                                    speculative_model=config.get("speculative_model"))
         port = free_port()
         self.config = replace(RouterConfig(), model_id=model_path, hostname="127.0.0.1", port=port,
                               shard_uds_path=self.shard.config.uds_path, **config)

@@ -107,6 +107,18 @@ def test_other_tgi_flags_are_accepted_and_recorded_as_ignored():
                                          "--env", "--validation-workers"}
 
 
+def test_a_speculative_model_drafts_4_unless_told_and_reaches_the_shards():
+    from tgi_router.launch.shard_processes import shard_command
+    config = parse_args(["--speculative-model", "/models/draft"], {})
+    assert (config.speculative_model, config.speculate) == ("/models/draft", 4)
+    assert parse_args(["--speculative-model", "d", "--speculate", "2"], {}).speculate == 2
+    command = shard_command(config, 0)
+    assert command[command.index("--speculative-model") + 1] == "/models/draft"
+    assert "--speculative-model" not in shard_command(parse_args([], {}), 0)
+    with pytest.raises(ConfigError, match="speculate"):
+        parse_args(["--speculative-model", "d"], {"SPECULATE": "0"})
+
+
 def test_speculate_is_a_count_up_to_the_limit():
     assert parse_args(["--speculate", "3"], {}).speculate == 3
     assert parse_args([], {"SPECULATE": "6"}).speculate == 6

@@ -168,3 +168,47 @@ def test_sampled_tokens_follow_the_models_distribution():
     assert chi_square(plain, p) < CHI2_7_999
     assert kept_counts == plain  # the same seed draws the same token, drafts or not
     assert accepts / draws == pytest.approx(p[2], abs=4 * (p[2] * (1 - p[2]) / draws) ** 0.5)
+
+
+@pytest.fixture(scope="module")
+def served_pair(tmp_path_factory):
+    """(target, a smaller draft) sharing the byte-level tokenizer."""
+    from ..shard_harness import save_tiny_served_model
+    tmp = tmp_path_factory.mktemp("draft")
+    target = save_tiny_served_model(tmp / "target", seed=6)
+    draft = save_tiny_served_model(tmp / "draft", seed=7, num_hidden_layers=1, hidden_size=32,
+                                   intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+    return tmp, target, draft
+
+
+DRAFT_PROMPTS = [list(b"abcabcabcabcabc"), list(b"the cat sat on the mat. the cat"), list(b"hello"),
+                 list(b"0123456789" * 3), [256] + list(b"xyxyxy")]
+
+
+@pytest.mark.parametrize("which", ["smaller", "itself"])
+def test_a_draft_model_gives_the_targets_greedy_tokens(served_pair, which):
+    """With a smaller draft the drafts are mostly wrong and the output is the
+    target's; with the target as its own draft nearly every draft is right,
+    which only holds if the draft's K/V stays in step with the tokens kept."""
+    tmp, target, draft = served_pair
+    params = [greedy(max_new_tokens=30)] * len(DRAFT_PROMPTS)
+    for name in ("plain", which):
+        (tmp / name).mkdir(exist_ok=True)
+    with InProcessShard(tmp / "plain", str(target)) as shard:
+        plain = asyncio.run(run_prompts(shard.socket, DRAFT_PROMPTS, 30, params=params))
+    model = draft if which == "smaller" else target
+    policy = DraftAlways(4)
+    with InProcessShard(tmp / which, str(target), speculative_model=str(model)) as shard:
+        drafted = asyncio.run(run_prompts(shard.socket, DRAFT_PROMPTS, 30, params=params, speculation=policy))
+        assert shard.runner.draft.cache.num_blocks == shard.runner.cache.num_blocks
+    assert [s.generated_ids for s in drafted] == [s.generated_ids for s in plain]
+    assert policy.total_drafted > 0
+    if which == "itself":
+        assert policy.acceptance_rate > 0.9
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(served_pair, tmp_path):
+    _, target, _ = served_pair
+    other = save_tiny_model("llama", tmp_path / "other", seed=1)  # no tokenizer of its own
+    with pytest.raises(ValueError, match="tokenizer"):
+        InProcessShard(tmp_path, str(target), speculative_model=str(other))

@@ -28,6 +28,7 @@ QUANTIZE_SERVED = ("awq", "eetq", "gptq")    # the rest are TGI's choices we do 
 ROPE_SCALINGS = ("linear", "dynamic", "yarn")  # TGI: linear, dynamic; ours: yarn too
 KV_CACHE_DTYPES = ("fp8_e4m3fn", "fp8_e5m2")  # TGI's --kv-cache-dtype values
 MAX_SPECULATE = 32  # --speculate: more drafts than this are never accepted often enough to pay
+DRAFT_MODEL_SPECULATE = 4  # --speculate's default with --speculative-model
 
 
 class ConfigError(ValueError):
@@ -81,7 +82,8 @@ class RouterConfig:
     watermark_gamma: float | None = None  # None: the shard's default, 0.5 (TGI's)
     watermark_delta: float | None = None  # None: 2.0
     kv_cache_dtype: str | None = None  # fp8_e4m3fn | fp8_e5m2: float8 KV blocks; None: the model's dtype
-    speculate: int = 0  # most draft tokens per sequence and step (n-gram lookup); 0: no speculation
+    speculate: int = 0  # most draft tokens per sequence and step; 0: no speculation
+    speculative_model: str | None = None  # ours: drafts from this model (same tokenizer) instead of n-grams
     # Ours, not TGI's.
     kv_cache_bytes: int = 0        # KV cache budget passed to each shard; 0: sized at Warmup
     num_threads: int = 0           # torch threads per shard on CPU; 0: torch's default
@@ -200,9 +202,9 @@ _FLAGS = (
           "twice the tokens in the same memory (per-layer k/v scales from the checkpoint, else 1.0); on CUDA "
           "the triton attention backend becomes the default (default: the model's dtype)"),
     _Flag("speculate", lambda t: _count(t, MAX_SPECULATE), "speculative decoding: each decoding sequence "
-          "may draft up to this many tokens per step by n-gram lookup in its own prompt and output, checked "
-          "in the same forward; outputs are exactly those without it, and the scheduler drafts less as the "
-          f"batch grows (at most {MAX_SPECULATE}; default: 0, off)"),
+          "may draft up to this many tokens per step, by n-gram lookup in its own prompt and output (or from "
+          "--speculative-model), checked in the same forward; the tokens are those decoding without drafts "
+          f"gives, and the scheduler drafts less as the batch grows (at most {MAX_SPECULATE}; default: 0, off)"),
     _Flag("lora_adapters", str, "LoRA adapters to serve beside the base model: comma-separated hub ids or "
           "local PEFT directories, or name=path; a request picks one with parameters.adapter_id, or with "
           "`model` on the OpenAI routes"),
@@ -219,6 +221,9 @@ _FLAGS = (
           "e.g. 1,2,4,8; on CPUs the same sizes run decode steps compiled by torch.compile (TGI_CPU_COMPILE=0: "
           "eager); 0 turns both off (default: 1,2,4,8,16,32)"),
     # Ours.
+    _Flag("speculative_model", str, "[ours] speculation drafts from this model (a directory, .gguf file or hub "
+          "id that shares the model's tokenizer), run in each shard with its own K/V in the same blocks, "
+          "instead of n-gram lookup; --speculate N drafts (default 4 with this flag)"),
     _Flag("kv_cache_bytes", _size, "[ours] KV cache budget per shard, e.g. 2GiB (default: sized at Warmup)"),
     _Flag("num_threads", _count, "[ours] torch threads per shard on CPU (default: torch's)"),
     _Flag("max_stall_ratio", _float, "[ours] prompt tokens in a step where sequences decode are bounded so "
@@ -328,6 +333,8 @@ def parse_args(argv: list[str] | None, env: Mapping[str, str]) -> RouterConfig:
         level = {"warn": "warning", "trace": "debug"}.get(level, level)
         values["log_level"] = level if level in ("debug", "info", "warning", "error") else "info"
     values["prefix_caching"] = env.get("PREFIX_CACHING", "1").strip().lower() not in ("0", "false")
+    if values.get("speculative_model") and "speculate" not in values:
+        values["speculate"] = DRAFT_MODEL_SPECULATE
     known = {f.name for f in fields(RouterConfig)}
     config = RouterConfig(**{k: v for k, v in values.items() if k in known and v is not None},
                           ignored_flags=ignored)
@@ -379,6 +386,8 @@ def _validate(c: RouterConfig) -> None:
         raise ConfigError(f"`waiting_served_ratio` must be >= 0. Given: {c.waiting_served_ratio}")
     if c.max_stall_ratio != 0 and c.max_stall_ratio <= 1:
         raise ConfigError(f"`max_stall_ratio` must be 0 (off) or > 1. Given: {c.max_stall_ratio}")
+    if c.speculative_model and not c.speculate:
+        raise ConfigError("`speculative_model` drafts nothing with `speculate` 0")
     if c.step_timeout < 0:
         raise ConfigError(f"`step_timeout` must be >= 0. Given: {c.step_timeout}")
     if c.request_read_timeout < 0:

@@ -45,7 +45,8 @@ def shard_command(config: RouterConfig, rank: int) -> list[str]:
     for flag, value in (("--dtype", config.dtype), ("--revision", config.revision), ("--quantize", config.quantize),
                         ("--kv-cache-bytes", config.kv_cache_bytes), ("--num-threads", threads),
                         ("--cuda-graphs", ",".join(map(str, config.cuda_graphs))),
-                        ("--kv-cache-dtype", config.kv_cache_dtype)):
+                        ("--kv-cache-dtype", config.kv_cache_dtype),
+                        ("--speculative-model", config.speculative_model)):
         if value:
             command += [flag, str(value)]
     for flag, value in (("--watermark-gamma", config.watermark_gamma), ("--watermark-delta", config.watermark_delta)):
