@@ -1,33 +1,38 @@
 """Speculative decoding benchmark: the real launcher serving the default
 model (SmolLM2-135M-Instruct, the dtype the shard chooses on this CPU, its
-compiled decode steps, 2 threads) with --speculate 0 and with --speculate
-SPECULATE, both running at once and taking turns at each workload, so that
-the host's noise falls on both alike.
+compiled decode steps, 2 threads) three times at once: without drafts
+("off"), with n-gram drafts (--speculate SPECULATE) and with a draft model
+(--speculative-model: the default model itself, no smaller model with its
+tokenizer being installed; --speculate DRAFT_SPECULATE). The sides take
+turns at each workload, so that the host's noise falls on all alike.
 
-Workloads (greedy, /v1/chat/completions or /generate_stream):
-- copy-heavy: rewrite a given paragraph with one small edit, or repeat a
-  code block with one line changed (COPY_TASKS), at concurrency 1 and 8;
-- plain: the engine benchmark's prompts (rotations of one text, no copying
-  asked, though the model tends to go on with the text it was given), 128
-  new tokens each, 64 requests at concurrency 32;
-- chat: 64 requests for short stories (CHAT_TASKS, chat template, 128 new
-  tokens) at concurrency 32: new text, where drafts are seldom right.
+Workloads (greedy):
+- copy (/v1/chat/completions, 200 new tokens): COPY_TASKS, a paragraph to
+  copy with one word changed, at concurrency 1 (n-gram and draft model) and
+  8 (n-gram);
+- code (the same, c1): CODE_TASKS, a function to copy with one name
+  changed; the default model copies its first lines, then writes code of
+  its own, so that it is only half copy-heavy;
+- plain (/generate_stream): the engine benchmark's prompts (rotations of one
+  text; the model goes on with the text it was given), 128 new tokens, 64
+  requests at concurrency 32;
+- chat (/generate_stream, chat template): 64 requests for short stories, 128
+  new tokens, concurrency 32: new text, where drafts are seldom right.
 
-Keys: tokens/s of each side; speculate_c1_copy_speedup and
-speculate_c8_copy_speedup (drafting over not, goal >= 2.0 at c1),
-speculate_c32_plain_ratio (goal >= 0.97: never slower under load) and
-speculate_c32_chat_ratio (the same where drafts seldom pay), the
-n-gram proposer's acceptance rate (accepted drafts per draft, from
-/metrics) and tokens per step on the copy workload at c1; and how many of
-the answers are identical on both sides, beside how many answers of the
-side without drafts are identical from one turn to the next (greedy
-answers depend on the batch in bf16, where kernels change with the rows a
-step computes: see docs/features.md, speculative decoding)."""
+Keys: each side's tokens/s, ratio to "off", acceptance rate (accepted drafts
+per draft, from /metrics) and tokens per sequence and step; the headline
+speculate_c1_copy_speedup (goal >= 2.0), speculate_c32_plain_ratio (goal
+>= 0.97: never slower under load), speculate_c32_chat_ratio,
+speculate_ngram_acceptance_rate and speculate_draft_acceptance_rate; and
+how many answers equal those without drafts, beside how many answers
+without drafts equal themselves from one turn to the next (in bf16 greedy
+answers depend on the batch, whose size picks the kernels: see
+docs/features.md, speculative decoding)."""
 
 import asyncio
+import contextlib
 import re
 import tempfile
-import time
 
 import httpx
 
@@ -35,7 +40,9 @@ from . import engine as engine_bench
 from .http import gather_limited, launched, load
 from .machine import dtype_name, serving_dtype
 
-SPECULATE = 6
+# 1 + 7 rows fill the compiled decode step of 8 rows and the int8 LM head's GEMV (up to 8 rows).
+SPECULATE = 7
+DRAFT_SPECULATE = 4
 COPY_NEW_TOKENS = 200
 REPEATS = 2  # the best of two turns per side and workload
 PARAGRAPHS = (
@@ -51,7 +58,17 @@ PARAGRAPHS = (
     "Maria planted tomatoes, beans and sunflowers along the south fence of the garden. By July the sunflowers "
     "were taller than the fence, the beans had climbed the old trellis, and the tomatoes were ripening faster "
     "than the family could eat them.",
+    "The museum opens at nine in the morning and closes at six in the evening, except on Mondays. Tickets can be "
+    "bought at the entrance or online, and children under twelve enter for free when they come with an adult.",
+    "After the storm, the volunteers cleared the fallen branches from the park, repaired the wooden bridge over "
+    "the stream and planted new flowers along the path. By the weekend the park was full of families again.",
+    "Please submit your application before the end of March. Include a short letter explaining why you want to "
+    "join the program, a copy of your diploma and the names of two people who can recommend you.",
+    "The train to the coast leaves every hour from platform four. The journey takes about ninety minutes, and "
+    "the last train back to the city departs at eleven at night, so plan your evening with care.",
 )
+EDITS = (("cliff", "hill"), ("twelve", "fifteen"), ("ten", "five"), ("July", "August"), ("nine", "ten"),
+         ("bridge", "fence"), ("March", "April"), ("four", "two"))
 CODE = (
     "def moving_average(values, window):\n"
     "    if window <= 0:\n"
@@ -64,16 +81,17 @@ CODE = (
     "            total -= values[i - window]\n"
     "        out.append(total / min(i + 1, window))\n"
     "    return out\n")
+# Copy-heavy: rewrite a paragraph with one word changed (the default model copies these), and
+# repeat a code block with one name changed (it copies the first lines, then writes code of its own).
+COPY_TASKS = tuple(f"Copy the text below word for word, changing only '{old}' to '{new}'.\n\n{text}"
+                   for text, (old, new) in zip(PARAGRAPHS, EDITS))
+CODE_TASKS = tuple(f"Copy this Python code exactly, changing only the name `{old}` to `{new}`. Output only the "
+                   f"code.\n\n```python\n{CODE}```" for old, new in (("total", "running"), ("out", "result"),
+                                                                    ("window", "size"), ("values", "xs")))
 CHAT_TASKS = tuple(f"Write a short story about a {who} who {what}." for who in (
     "fox", "robot", "baker", "sailor", "child", "dragon", "teacher", "cat") for what in (
     "loses a key", "finds a map", "learns to sing", "moves to the city", "builds a boat",
     "meets a stranger", "plants a tree", "misses a train"))
-COPY_TASKS = tuple(
-    [f"Rewrite the following paragraph exactly as it is, but replace the word '{old}' with '{new}':\n\n{text}"
-     for text, (old, new) in zip(PARAGRAPHS, (("cliff", "hill"), ("twelve", "fifteen"), ("ten", "five"),
-                                                ("July", "August")))]
-    + [f"Repeat this Python function exactly, but rename the variable '{old}' to '{new}':\n\n{CODE}"
-       for old, new in (("total", "running"), ("out", "result"), ("window", "size"), ("values", "xs"))])
 
 
 async def _copy_one(client: httpx.AsyncClient, url: str, task: str) -> tuple[str, int]:
@@ -84,10 +102,10 @@ async def _copy_one(client: httpx.AsyncClient, url: str, task: str) -> tuple[str
     return body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"]
 
 
-async def copy_load(url: str, concurrency: int) -> tuple[float, list[str]]:
-    """(tokens/s, answers) of every COPY_TASKS request at `concurrency`."""
+async def copy_load(url: str, tasks: tuple[str, ...], concurrency: int) -> tuple[float, list[str]]:
+    """(tokens/s, answers) of every task's request at `concurrency`."""
     async with httpx.AsyncClient(timeout=600) as client:
-        results, elapsed = await gather_limited(lambda t: _copy_one(client, url, t), list(COPY_TASKS), concurrency)
+        results, elapsed = await gather_limited(lambda t: _copy_one(client, url, t), list(tasks), concurrency)
     return sum(n for _, n in results) / elapsed, [text for text, _ in results]
 
 
@@ -103,64 +121,81 @@ def _counts(url: str) -> dict[str, float]:
         "request_skipped_tokens_sum")}
 
 
+# (workload, concurrency) -> the sides that run it
+WORKLOADS = {("copy", 1): ("off", "ngram", "draft"), ("copy", 8): ("off", "ngram"), ("code", 1): ("off", "ngram"),
+             ("plain", 32): ("off", "ngram"), ("chat", 32): ("off", "ngram")}
+
+
+def _turn(url: str, workload: str, c: int, prompts: dict[str, list[str]]) -> tuple[float, list[str]]:
+    if workload in ("copy", "code"):
+        return asyncio.run(copy_load(url, COPY_TASKS if workload == "copy" else CODE_TASKS, c))
+    return asyncio.run(load(url, prompts[workload], c))["tok_s"], []
+
+
 def run() -> dict:
-    model, tokenizer, _ = engine_bench.hf_model(serving_dtype())
+    model, tokenizer, path = engine_bench.hf_model(serving_dtype())
     del model
-    plain = [tokenizer.decode(p) for p in engine_bench.make_prompts(tokenizer, 64)]
-    chat = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
-            for t in CHAT_TASKS]
-    results: dict[str, dict] = {"off": {}, "on": {}}
-    answers: dict[tuple[str, int], list[list[str]]] = {}  # (side, concurrency) -> each turn's answers
-    with tempfile.TemporaryDirectory() as off_dir, tempfile.TemporaryDirectory() as on_dir, \
-            launched(off_dir) as (off_url, _), \
-            launched(on_dir, ("--speculate", str(SPECULATE))) as (on_url, _):
-        urls = {"off": off_url, "on": on_url}
+    prompts = {"plain": [tokenizer.decode(p) for p in engine_bench.make_prompts(tokenizer, 64)],
+               "chat": [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                                      add_generation_prompt=True) for t in CHAT_TASKS]}
+    flags = {"off": (), "ngram": ("--speculate", str(SPECULATE)),
+             # No smaller model with its tokenizer is installed: the default model drafts for itself.
+             "draft": ("--speculate", str(DRAFT_SPECULATE), "--speculative-model", str(path))}
+    results: dict[str, dict] = {side: {} for side in flags}
+    answers: dict[tuple[str, str, int], list[list[str]]] = {}  # (side, workload, c) -> each turn's answers
+    with contextlib.ExitStack() as stack:
+        urls = {side: stack.enter_context(launched(stack.enter_context(tempfile.TemporaryDirectory()), f))[0]
+                for side, f in flags.items()}
         for url in urls.values():  # warm up: first requests pay one-time costs
-            asyncio.run(copy_load(url, 8))
-        for workload, c in (("copy", 1), ("copy", 8), ("plain", 32), ("chat", 32)):
+            asyncio.run(copy_load(url, COPY_TASKS[:2], 2))
+        for (workload, c), sides in WORKLOADS.items():
             for _ in range(REPEATS):
-                for side, url in urls.items():
+                for side in sides:  # taking turns: the host's drift reaches every side alike
+                    url = urls[side]
                     before = _counts(url)
-                    start = time.perf_counter()
-                    if workload == "copy":
-                        tok_s, texts = asyncio.run(copy_load(url, c))
-                        answers.setdefault((side, c), []).append(texts)
-                    else:
-                        tok_s = asyncio.run(load(url, plain if workload == "plain" else chat, c))["tok_s"]
-                    after = _counts(url)
-                    delta = {k: after[k] - before[k] for k in after}
-                    key = f"{workload}_c{c}"
-                    best = results[side].get(key)
+                    tok_s, texts = _turn(url, workload, c, prompts)
+                    answers.setdefault((side, workload, c), []).append(texts)
+                    delta = {k: v - before[k] for k, v in _counts(url).items()}
+                    best = results[side].get(f"{workload}_c{c}")
                     if best is None or tok_s > best["tok_s"]:
-                        results[side][key] = {"tok_s": tok_s, "seconds": time.perf_counter() - start, **delta}
+                        results[side][f"{workload}_c{c}"] = {"tok_s": tok_s, **delta}
+    return _report(results, answers)
+
+
+def _report(results: dict[str, dict], answers: dict) -> dict:
     out = {"speculate_n": SPECULATE, "speculate_dtype": dtype_name(serving_dtype())}
-    print(f"\nSpeculation benchmark: SmolLM2-135M {dtype_name(serving_dtype())}, {engine_bench.THREADS} threads, "
-          f"--speculate {SPECULATE} against 0, {len(COPY_TASKS)} copy tasks ({COPY_NEW_TOKENS} new tokens), "
-          f"{len(plain)} plain prompts")
-    print(f"{'workload':<12}{'off tok/s':>10}{'on tok/s':>10}{'ratio':>8}{'accept':>8}{'tok/step':>9}")
-    for key in results["off"]:
-        off, on = results["off"][key], results["on"][key]
-        ratio = on["tok_s"] / off["tok_s"]
-        rate = on["speculative_accepted_tokens"] / max(on["speculative_draft_tokens"], 1)
-        # tokens per sequence-step: 1 + the accepted drafts it got, from tgi_request_skipped_tokens
-        per_step = 1 + on["request_skipped_tokens_sum"] / max(on["request_skipped_tokens_count"], 1)
-        print(f"{key:<12}{off['tok_s']:>10.1f}{on['tok_s']:>10.1f}{ratio:>8.2f}{rate:>8.2f}{per_step:>9.2f}")
-        out.update({f"speculate_{key}_off_tok_s": round(off["tok_s"], 1), f"speculate_{key}_on_tok_s": round(on["tok_s"], 1),
-                    f"speculate_{key}_acceptance_rate": round(rate, 3), f"speculate_{key}_tokens_per_step": round(per_step, 2),
-                    f"speculate_{key}_drafted": int(on["speculative_draft_tokens"])})
-    out["speculate_c1_copy_speedup"] = round(results["on"]["copy_c1"]["tok_s"] / results["off"]["copy_c1"]["tok_s"], 2)
-    out["speculate_c8_copy_speedup"] = round(results["on"]["copy_c8"]["tok_s"] / results["off"]["copy_c8"]["tok_s"], 2)
-    for workload in ("plain", "chat"):
-        out[f"speculate_c32_{workload}_ratio"] = round(
-            results["on"][f"{workload}_c32"]["tok_s"] / results["off"][f"{workload}_c32"]["tok_s"], 2)
-    out["speculate_ngram_acceptance_rate"] = out["speculate_copy_c1_acceptance_rate"]
-    for c in (1, 8):
+    print(f"\nSpeculation benchmark: SmolLM2-135M {dtype_name(serving_dtype())}, {engine_bench.THREADS} threads; "
+          f"n-gram --speculate {SPECULATE}, draft model (itself) --speculate {DRAFT_SPECULATE}, against 0")
+    print(f"{'workload':<12}{'side':<7}{'off tok/s':>10}{'on tok/s':>10}{'ratio':>8}{'accept':>8}{'tok/step':>9}")
+    for (workload, c), sides in WORKLOADS.items():
+        key = f"{workload}_c{c}"
+        off = results["off"][key]
+        for side in sides[1:]:
+            on = results[side][key]
+            ratio = on["tok_s"] / off["tok_s"]
+            rate = on["speculative_accepted_tokens"] / max(on["speculative_draft_tokens"], 1)
+            # tokens per sequence-step: 1 + the accepted drafts, from tgi_request_skipped_tokens
+            per_step = 1 + on["request_skipped_tokens_sum"] / max(on["request_skipped_tokens_count"], 1)
+            print(f"{key:<12}{side:<7}{off['tok_s']:>10.1f}{on['tok_s']:>10.1f}{ratio:>8.2f}{rate:>8.2f}"
+                  f"{per_step:>9.2f}")
+            name = f"speculate_{side}_{key}"
+            out.update({f"{name}_off_tok_s": round(off["tok_s"], 1), f"{name}_on_tok_s": round(on["tok_s"], 1),
+                        f"{name}_ratio": round(ratio, 2), f"{name}_acceptance_rate": round(rate, 3),
+                        f"{name}_tokens_per_step": round(per_step, 2)})
+    out["speculate_c1_copy_speedup"] = out["speculate_ngram_copy_c1_ratio"]
+    out["speculate_c8_copy_speedup"] = out["speculate_ngram_copy_c8_ratio"]
+    out["speculate_c1_code_speedup"] = out["speculate_ngram_code_c1_ratio"]
+    out["speculate_c32_plain_ratio"] = out["speculate_ngram_plain_c32_ratio"]
+    out["speculate_c32_chat_ratio"] = out["speculate_ngram_chat_c32_ratio"]
+    out["speculate_ngram_acceptance_rate"] = out["speculate_ngram_copy_c1_acceptance_rate"]
+    out["speculate_draft_acceptance_rate"] = out["speculate_draft_copy_c1_acceptance_rate"]
+    for side, workload, c in (("ngram", "copy", 1), ("draft", "copy", 1), ("ngram", "copy", 8), ("ngram", "code", 1)):
         # drafting against not, turn by turn; and not drafting against itself (the batch's own variance)
-        off, on = answers[("off", c)], answers[("on", c)]
+        off, on = answers[("off", workload, c)], answers[(side, workload, c)]
         same = sum(a == b for turn_off, turn_on in zip(off, on) for a, b in zip(turn_off, turn_on))
         self_same = sum(a == b for a, b in zip(off[0], off[-1]))
-        out[f"speculate_copy_c{c}_identical"] = f"{same}/{sum(map(len, off))}"
-        out[f"speculate_copy_c{c}_off_self_identical"] = f"{self_same}/{len(off[0])}"
-        print(f"copy answers at c{c} identical with and without drafts: {same}/{sum(map(len, off))} "
+        out[f"speculate_{side}_{workload}_c{c}_identical"] = f"{same}/{sum(map(len, off))}"
+        out[f"speculate_off_{workload}_c{c}_self_identical"] = f"{self_same}/{len(off[0])}"
+        print(f"{workload} answers at c{c}, {side}: identical to those without drafts {same}/{sum(map(len, off))} "
               f"(without drafts, turn against turn: {self_same}/{len(off[0])})")
     return out

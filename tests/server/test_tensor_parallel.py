@@ -155,23 +155,23 @@ def constrained(sockets) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(two ranks of a tiny model with a tokenizer, one shard's constrained answers)."""
+    """(two ranks of a tiny model with a tokenizer, one shard's constrained answers, the model's path)."""
     tmp = tmp_path_factory.mktemp("served")
     path = save_tiny_served_model(tmp / "model", seed=3)
     with InProcessShard(tmp, str(path)) as one:
         expected = constrained(one.socket)
     with ShardProcesses(tmp, str(path), 2) as shards:
-        yield shards, expected
+        yield shards, expected, path
 
 
 def test_grammars_constrain_tokens_as_on_one_shard(served):
-    shards, expected = served
+    shards, expected, _ = served
     assert all(len(tokens) == 7 and tokens[-1] == EOS for tokens in expected)  # 6 characters, then EOS
     assert constrained(shards.sockets) == expected
 
 
 def test_a_grammar_rank_0_rejects_fails_the_step_on_every_rank_and_the_group_goes_on(served):
-    shards, expected = served
+    shards, expected, _ = served
     call(shards.sockets, lambda c: c.warmup(64, 4))
 
     def step(grammar: str) -> pb.StepRequest:
@@ -185,6 +185,20 @@ def test_a_grammar_rank_0_rejects_fails_the_step_on_every_rank_and_the_group_goe
     # out of step, and sequence 1 would be live on rank 1 only.
     assert call(shards.sockets, lambda c: c.step(step(REGEX_GRAMMAR))).generations[0].token_id == expected[0][0]
     call(shards.sockets, lambda c: c.clear_cache())
+
+
+def test_a_draft_model_sharded_like_the_target_gives_its_tokens(served, tmp_path):
+    """--speculative-model over two ranks: each rank runs its slice of the
+    draft, all propose the same drafts, and the tokens are one shard's."""
+    shards, _, target = served
+    draft = save_tiny_served_model(tmp_path / "draft", seed=8, num_hidden_layers=1)
+    prompts = [[256] + list(b"abcabcabcabc"), [256] + list(b"hello world, hello")]
+    expected = [s.generated_ids for s in asyncio.run(run_prompts(shards.sockets, prompts, 16))]
+    policy = DraftAlways(3)
+    with ShardProcesses(tmp_path, str(target), 2, "--speculative-model", str(draft)) as drafting:
+        got = asyncio.run(run_prompts(drafting.sockets, prompts, 16, speculation=policy))
+        assert "speculative model" in drafting.log(1)
+    assert [s.generated_ids for s in got] == expected and policy.total_drafted > 0
 
 
 @pytest.mark.slow
