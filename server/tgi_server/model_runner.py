@@ -28,6 +28,7 @@ from .sampling.sampler import Sampler, prompt_logprobs
 from .sampling.watermark import Watermark
 from .sequences import SequenceTable, ShardSequence
 from .speculation.draft_model import DraftModel
+from .speculation.medusa import MedusaHeads
 from .speculation.verify import accepted, row_contexts
 
 log = logging.getLogger("tgi_server")
@@ -77,6 +78,7 @@ class ModelRunner:
         # steps are compiled for it.
         self.max_threads = torch.get_num_threads()
         self.draft: DraftModel | None = None
+        self.medusa: MedusaHeads | None = None  # the checkpoint's Medusa heads (set before Warmup)
 
     def attach_draft(self, loaded: LoadedModel, kv_cache_dtype: torch.dtype | None = None) -> None:
         """Drafts from now on come from `loaded` (the target's device, dtype
@@ -153,7 +155,10 @@ class ModelRunner:
         max_tokens = min(self.config.max_position_embeddings, self.cache.num_blocks * self.block_size)
 
         def logits(input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-            return self.model.logits(self.model(input_ids, ctx), None)  # [B, vocab] float32
+            normed = self.model.final_hidden(self.model(input_ids, ctx), None)
+            out = self.model.lm_head(normed)  # [B, vocab] float32
+            # With Medusa heads, the normed hidden states ride along: [B, vocab + hidden].
+            return out if self.medusa is None else torch.cat([out, normed.float()], dim=1)
 
         start = time.perf_counter()
         if self.device.type == "cpu":
@@ -183,16 +188,23 @@ class ModelRunner:
             return batch if self.graphs.can_run(batch) else batch.to(self.device)
         return build_batch(seqs, self.block_size, self.device)
 
-    def _logits(self, batch: StepBatch) -> torch.Tensor:
-        """logits [S, vocab] float32 of batch.logits_rows: a graph replay when one fits."""
+    def _logits(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits [S, vocab] float32 of batch.logits_rows, and with Medusa heads
+        their normed hidden states [S, hidden], else None): a graph replay
+        when one fits."""
         if self.adapters is not None:
             self.adapters.set_segments(batch.lora_segments)
         if self.graphs is not None and self.graphs.can_run(batch):
-            logits = self.graphs.run(batch)  # every decode row's, [n, vocab]
+            out = self.graphs.run(batch)  # every decode row's, [n, vocab (+ hidden)]
             # logits_rows are ascending and distinct: as many as rows means all of them.
             rows = batch.logits_rows
-            return logits if len(rows) == len(logits) else logits.index_select(0, rows.to(logits.device))
-        return self.model.logits(self.model(batch.input_ids, self._context(batch)), batch.logits_rows)
+            out = out if len(rows) == len(out) else out.index_select(0, rows.to(out.device))
+            if self.medusa is None:
+                return out, None
+            vocab = out.shape[1] - self.config.hidden_size
+            return out[:, :vocab], out[:, vocab:].clone()  # the graph's buffer is reused next step
+        normed = self.model.final_hidden(self.model(batch.input_ids, self._context(batch)), batch.logits_rows)
+        return self.model.lm_head(normed), (normed if self.medusa is not None else None)
 
     def run_scratch(self, tokens: int, seqs: int, decode: bool) -> torch.Tensor:
         """A forward of `tokens` tokens over `seqs` sequences whose K/V lands in
@@ -233,8 +245,10 @@ class ModelRunner:
             batch = self._batch(seqs)
             t1 = time.perf_counter_ns()
             with torch.inference_mode():
-                logits = self._logits(batch)  # [S, vocab] float32
+                logits, normed = self._logits(batch)  # [S, vocab] float32, [S, hidden] or None
                 t2 = time.perf_counter_ns()
+                if normed is not None:
+                    self._keep_medusa_rows(batch, normed)
                 generations = self._generations(batch, logits)
         except Exception:
             # The scheduled sequences' state is now unknown: drop them so the
@@ -250,15 +264,30 @@ class ModelRunner:
 
     def _draft(self, seqs: list[ShardSequence]) -> None:
         """Appends each sequence's drafts (up to its draft_limit): from the
-        draft model when the shard has one, else by n-gram lookup."""
+        draft model or the Medusa heads when the shard has them, else by
+        n-gram lookup."""
         if not seqs:
             return
         if self.draft is not None:
             with torch.inference_mode():
                 self.draft.propose(seqs)
-            return
-        for seq in seqs:
-            seq.add_drafts(seq.ngram_drafts())
+        elif self.medusa is not None:
+            # The normed hidden state of the row that sampled each sequence's last token.
+            seqs = [s for s in seqs if s.medusa_rows is not None]
+            if seqs:
+                with torch.inference_mode():
+                    drafts = self.medusa(torch.stack([s.medusa_rows[s.last_kept - 1] for s in seqs])).tolist()
+                for seq, row in zip(seqs, drafts):
+                    seq.add_drafts(row[:seq.draft_limit])
+        else:
+            for seq in seqs:
+                seq.add_drafts(seq.ngram_drafts())
+
+    def _keep_medusa_rows(self, batch: StepBatch, normed: torch.Tensor) -> None:
+        """Each sampling sequence keeps its rows' normed hidden states (every
+        rank: the next step's drafts come from the row of the last token kept)."""
+        for seq, first in zip(batch.samplers, batch.sample_rows):
+            seq.medusa_rows = normed[first:first + 1 + seq.drafted]
 
     def _context(self, batch: StepBatch) -> ForwardContext:
         return ForwardContext(

@@ -4,6 +4,8 @@ messages: new sequences arrive in full, running ones as differences."""
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from tgi_proto import pb
 
 from .sampling.grammar import GrammarCompiler, GrammarError, SequenceGrammar
@@ -45,6 +47,11 @@ class ShardSequence:
     drafted: int = 0
     ngram: NgramIndex | None = None
     draft_computed: int = 0
+    # With Medusa heads: the normed hidden states [1 + drafts, hidden] of the
+    # rows that sampled in this sequence's last step, and how many tokens it
+    # kept (the last kept one's row drafts next).
+    medusa_rows: torch.Tensor | None = None
+    last_kept: int = 0
 
     @property
     def samples(self) -> bool:
@@ -62,6 +69,7 @@ class ShardSequence:
             self.num_computed -= self.drafted - (len(sampled) - 1)
             self.drafted = 0
         self.draft_computed = min(self.draft_computed, known + max(0, len(sampled) - 1))
+        self.last_kept = len(sampled)
         self.token_ids.extend(sampled)
 
     def allow_drafts(self, limit: int) -> None:

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from .quant import kernel_counts
 from .sampling.grammar import GrammarCompiler
 from .sampling.watermark import Watermark
 from .service import serve
+from .speculation.medusa import HEADS_FILE, MedusaHeads, medusa_config
 from .thread_governor import ThreadGovernor
 from .weights.resolve import resolve_model
 from .weights.tokenizer_export import export_tokenizer
@@ -56,6 +58,13 @@ def load_shard(config: ShardConfig) -> tuple[ModelRunner, pb.InfoResponse]:
     dtype = DTYPES[config.dtype] if config.dtype else default_dtype(device)
     kernel_dtype = None if config.dtype else default_quant_kernel_dtype(device, dtype)
     source = resolve_model(config.model_id, config.revision)
+    medusa_dir = source.path
+    medusa = medusa_config(source.path) if source.format == "safetensors" else None
+    if medusa is not None and not any(f.name != HEADS_FILE for f in source.path.glob("*.safetensors")):
+        # A Medusa repository holds the heads; the weights are its base model's.
+        if not medusa.get("base_model_name_or_path"):
+            raise ValueError(f"{source.path}: Medusa heads without weights or a base_model_name_or_path")
+        source = dataclasses.replace(resolve_model(medusa["base_model_name_or_path"], None), model_id=source.model_id)
     log.info("loading %s (%s) as %s on %s", source.model_id, source.path, str(dtype).removeprefix("torch."), device)
     start = time.perf_counter()
     kv_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype] if config.kv_cache_dtype else None
@@ -82,6 +91,9 @@ def load_shard(config: ShardConfig) -> tuple[ModelRunner, pb.InfoResponse]:
              loaded.weight_bytes / 2**20, loaded.weight_bytes)
     if config.speculative_model:
         _attach_draft(runner, config, dtype, kernel_dtype, tp, tokenizer_json, kv_dtype)
+    elif medusa is not None:
+        runner.medusa = MedusaHeads(medusa_dir, medusa, c.vocab_size, dtype, device)
+        log.info("Medusa heads: %d, %d residual blocks each", runner.medusa.num_heads, runner.medusa.num_layers)
     if kv_dtype is not None:
         scaled = sum(1 for m in loaded.model.modules() if isinstance(m, Attention) and m.kv_scaled)
         log.info("KV cache blocks in %s: %d of %d layers with the checkpoint's k/v scales, the others 1.0",
@@ -97,7 +109,8 @@ def load_shard(config: ShardConfig) -> tuple[ModelRunner, pb.InfoResponse]:
         attention_backend=runner.backend, rank=tp.rank, world_size=tp.world_size,
         bos_token_id=c.bos_token_id if c.bos_token_id is not None else 0,
         tokenizer_json=tokenizer_json, tokenizer_config_json=tokenizer_config_json,
-        adapter_ids=loaded.adapters.names if loaded.adapters is not None else [])
+        adapter_ids=loaded.adapters.names if loaded.adapters is not None else [],
+        medusa_heads=runner.medusa.num_heads if runner.medusa is not None else 0)
     return runner, info
 
 

@@ -155,3 +155,23 @@ def test_a_draft_model_serves_the_targets_answers_and_its_blocks_come_back(tiny)
         assert metric(server.url, "tgi_speculative_draft_tokens") > 0
         assert metric(server.url, "tgi_kv_cache_blocks_used") == 0
         assert metric(server.url, "tgi_kv_cache_blocks_free") == metric(server.url, "tgi_kv_cache_blocks_capacity")
+
+
+def test_a_model_with_medusa_heads_drafts_with_them_unless_told_otherwise(tiny):
+    """TGI's default: no --speculate and Medusa heads in the model directory
+    means as many drafts as heads; --speculate 0 turns them off."""
+    import shutil
+
+    from ..server.test_speculation import save_medusa
+    path, tmp = tiny
+    medusa = save_medusa(shutil.copytree(path, tmp / "medusa"), heads=2, copy_lm_head=True)
+    bodies = tiny_requests()[:8]
+    with RunningServer(tmp / "m0", str(path), max_total_tokens=256, max_input_tokens=200) as server:
+        baseline = answers(server.url, bodies)
+    with RunningServer(tmp / "m1", str(medusa), max_total_tokens=256, max_input_tokens=200) as server:
+        assert answers(server.url, bodies) == baseline
+        assert metric(server.url, "tgi_speculative_draft_tokens") > 0
+        assert metric(server.url, "tgi_kv_cache_blocks_used") == 0
+    with RunningServer(tmp / "m2", str(medusa), max_total_tokens=256, max_input_tokens=200, speculate=0) as server:
+        assert answers(server.url, bodies) == baseline
+        assert metric(server.url, "tgi_speculative_draft_tokens") == 0

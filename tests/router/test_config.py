@@ -122,7 +122,8 @@ def test_a_speculative_model_drafts_4_unless_told_and_reaches_the_shards():
 def test_speculate_is_a_count_up_to_the_limit():
     assert parse_args(["--speculate", "3"], {}).speculate == 3
     assert parse_args([], {"SPECULATE": "6"}).speculate == 6
-    assert parse_args([], {}).speculate == 0
+    assert parse_args([], {}).speculate is None  # TGI's default: the Medusa heads, if the model has any
+    assert parse_args(["--speculate", "0"], {}).speculate == 0
     with pytest.raises(ConfigError):
         parse_args(["--speculate", "33"], {})
     with pytest.raises(ConfigError):

@@ -5,6 +5,7 @@ top-n alternatives, stops inside accepted runs and grammars; sampled
 tokens follow the model's distribution (chi-square)."""
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch
@@ -212,3 +213,51 @@ def test_a_draft_model_with_another_vocabulary_is_refused(served_pair, tmp_path)
     other = save_tiny_model("llama", tmp_path / "other", seed=1)  # no tokenizer of its own
     with pytest.raises(ValueError, match="tokenizer"):
         InProcessShard(tmp_path, str(target), speculative_model=str(other))
+
+
+def save_medusa(path, heads: int, layers: int = 1, copy_lm_head: bool = False, seed: int = 0):
+    """Medusa heads beside a tiny served model's weights (TGI's file and config
+    fields). copy_lm_head: head 0 is the identity then the model's own LM
+    head, so it drafts the token the model just predicted (right in a loop)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    config = json.loads((path / "config.json").read_text())
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    torch.manual_seed(seed)
+    tensors = {}
+    for i in range(heads):
+        for j in range(layers):
+            tensors[f"{i}.{j}.linear.weight"] = torch.randn(hidden, hidden) * 0.05
+            tensors[f"{i}.{j}.linear.bias"] = torch.zeros(hidden)
+        tensors[f"{i}.{layers}.weight"] = torch.randn(vocab, hidden) * 0.1
+    if copy_lm_head:
+        weights = load_file(str(path / "model.safetensors"))
+        lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+        for j in range(layers):
+            tensors[f"0.{j}.linear.weight"] = torch.zeros(hidden, hidden)  # x + silu(0) = x
+        tensors[f"0.{layers}.weight"] = lm_head.clone()
+    save_file(tensors, str(path / "medusa_lm_head.safetensors"))
+    config.update(medusa_num_heads=heads, medusa_num_layers=layers)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("copy_lm_head", [False, True], ids=["random heads", "head 0 = the LM head"])
+def test_medusa_heads_draft_and_the_tokens_stay_the_targets(served_pair, tmp_path, copy_lm_head):
+    import shutil
+    _, target, _ = served_pair
+    medusa = save_medusa(Path(shutil.copytree(target, tmp_path / "medusa")), heads=3, copy_lm_head=copy_lm_head)
+    prompts = DRAFT_PROMPTS + [[256] + [7] * 12]
+    params = [greedy(max_new_tokens=30)] * len(prompts)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with InProcessShard(tmp_path / "a", str(target)) as shard:
+        plain = asyncio.run(run_prompts(shard.socket, prompts, 30, params=params))
+    policy = DraftAlways(3)
+    with InProcessShard(tmp_path / "b", str(medusa)) as shard:
+        assert shard.info.medusa_heads == 3
+        drafted = asyncio.run(run_prompts(shard.socket, prompts, 30, params=params, speculation=policy))
+    assert [s.generated_ids for s in drafted] == [s.generated_ids for s in plain]
+    assert policy.total_drafted > 0
+    print("medusa", copy_lm_head, policy.total_drafted, policy.total_accepted)

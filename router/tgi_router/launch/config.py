@@ -82,7 +82,7 @@ class RouterConfig:
     watermark_gamma: float | None = None  # None: the shard's default, 0.5 (TGI's)
     watermark_delta: float | None = None  # None: 2.0
     kv_cache_dtype: str | None = None  # fp8_e4m3fn | fp8_e5m2: float8 KV blocks; None: the model's dtype
-    speculate: int = 0  # most draft tokens per sequence and step; 0: no speculation
+    speculate: int | None = None  # most drafts per sequence and step; 0: none; None: the Medusa heads' count, if any
     speculative_model: str | None = None  # ours: drafts from this model (same tokenizer) instead of n-grams
     # Ours, not TGI's.
     kv_cache_bytes: int = 0        # KV cache budget passed to each shard; 0: sized at Warmup
@@ -202,9 +202,10 @@ _FLAGS = (
           "twice the tokens in the same memory (per-layer k/v scales from the checkpoint, else 1.0); on CUDA "
           "the triton attention backend becomes the default (default: the model's dtype)"),
     _Flag("speculate", lambda t: _count(t, MAX_SPECULATE), "speculative decoding: each decoding sequence "
-          "may draft up to this many tokens per step, by n-gram lookup in its own prompt and output (or from "
-          "--speculative-model), checked in the same forward; the tokens are those decoding without drafts "
-          f"gives, and the scheduler drafts less as the batch grows (at most {MAX_SPECULATE}; default: 0, off)"),
+          "may draft up to this many tokens per step, with the model's Medusa heads, --speculative-model, or "
+          "else by n-gram lookup in its own prompt and output, checked in the same forward; the tokens are "
+          "those decoding without drafts gives, and the scheduler drafts less as the batch grows (at most "
+          f"{MAX_SPECULATE}; default: as many as the model has Medusa heads, else 0: off)"),
     _Flag("lora_adapters", str, "LoRA adapters to serve beside the base model: comma-separated hub ids or "
           "local PEFT directories, or name=path; a request picks one with parameters.adapter_id, or with "
           "`model` on the OpenAI routes"),
@@ -386,7 +387,7 @@ def _validate(c: RouterConfig) -> None:
         raise ConfigError(f"`waiting_served_ratio` must be >= 0. Given: {c.waiting_served_ratio}")
     if c.max_stall_ratio != 0 and c.max_stall_ratio <= 1:
         raise ConfigError(f"`max_stall_ratio` must be 0 (off) or > 1. Given: {c.max_stall_ratio}")
-    if c.speculative_model and not c.speculate:
+    if c.speculative_model and c.speculate == 0:
         raise ConfigError("`speculative_model` drafts nothing with `speculate` 0")
     if c.step_timeout < 0:
         raise ConfigError(f"`step_timeout` must be >= 0. Given: {c.step_timeout}")

@@ -104,15 +104,20 @@ async def _build(config: RouterConfig, client: ShardClient):
              "max_batch_prefill_tokens=%d max_batch_total_tokens=%d", warm.num_blocks, warm.block_size,
              limits.max_input_tokens, limits.max_total_tokens, limits.max_batch_prefill_tokens,
              limits.max_batch_total_tokens)
-    metrics = Metrics(limits.max_input_tokens, limits.max_total_tokens, tuple(info.adapter_ids),
-                      config.speculate or 0)
+    # TGI's default: a model with Medusa heads drafts as many tokens as it has heads.
+    speculate = config.speculate if config.speculate is not None else info.medusa_heads
+    if speculate:
+        log.info("speculative decoding: up to %d drafts per sequence and step, from %s", speculate,
+                 "the Medusa heads" if info.medusa_heads else
+                 "the speculative model" if config.speculative_model else "n-gram lookup")
+    metrics = Metrics(limits.max_input_tokens, limits.max_total_tokens, tuple(info.adapter_ids), speculate)
     metrics.max_total_tokens(limits.max_batch_total_tokens)
     metrics.kv_blocks(warm.num_blocks, 0, warm.num_blocks)
     blocks = BlockManager(warm.num_blocks, warm.block_size, config.prefix_caching)
     scheduler = Scheduler(blocks, limits.max_batch_prefill_tokens, config.max_batch_size or 0,
                           config.waiting_served_ratio, config.max_waiting_tokens,
                           StepPacer(warm.block_size, config.max_stall_ratio) if config.max_stall_ratio else None,
-                          SpeculationPolicy(config.speculate) if config.speculate else None)
+                          SpeculationPolicy(speculate) if speculate else None)
     engine = Engine(client, scheduler, tokenizer, tuple(info.eos_token_ids), metrics)
     settings = ApiSettings(
         info=p.Info(model_id=info.model_id, max_concurrent_requests=config.max_concurrent_requests,

@@ -114,4 +114,9 @@ class DecoderForCausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """hidden [T, hidden], rows [S] int64 (None: every row) -> logits [S, vocab] float32.
         The final norm is per token, so it runs on the chosen rows only."""
-        return self.lm_head(self.norm(hidden if rows is None else hidden.index_select(0, rows)))
+        return self.lm_head(self.final_hidden(hidden, rows))
+
+    def final_hidden(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """The chosen rows [S, hidden] after the final norm: what the LM head
+        (and Medusa heads) read."""
+        return self.norm(hidden if rows is None else hidden.index_select(0, rows))

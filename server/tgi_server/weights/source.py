@@ -57,7 +57,8 @@ class SafetensorsSource:
         self.lora = None
         self.kv_scales = False
         self._file_of: dict[str, Path] = {}
-        files = sorted(directory.glob("*.safetensors"))
+        # Medusa heads beside the weights are the speculator's (speculation/medusa.py).
+        files = sorted(f for f in directory.glob("*.safetensors") if f.name != "medusa_lm_head.safetensors")
         index = directory / "model.safetensors.index.json"
         if index.exists():
             try:
