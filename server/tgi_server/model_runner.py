@@ -18,18 +18,18 @@ from tgi_kernels import FP8_KV_DTYPES, SOFTCAP_BACKENDS, select_backend
 from tgi_proto import pb
 
 from .batch import StepBatch, build_batch
+from .generations import generations as generations_of
 from .cuda_graphs import DecodeGraphs, backend_supports_graphs, compile_available, graph_batch_sizes
 from .kv_cache import KVCache, KVCacheSpec
 from .layers.attention import ForwardContext
 from .memory import kv_cache_budget
 from .model_loader import LoadedModel
 from .sampling.grammar import GrammarCompiler
-from .sampling.sampler import Sampler, prompt_logprobs
+from .sampling.sampler import Sampler
 from .sampling.watermark import Watermark
 from .sequences import SequenceTable, ShardSequence
 from .speculation.draft_model import DraftModel
 from .speculation.medusa import MedusaHeads
-from .speculation.verify import accepted, row_contexts
 
 log = logging.getLogger("tgi_server")
 
@@ -249,7 +249,10 @@ class ModelRunner:
                 t2 = time.perf_counter_ns()
                 if normed is not None:
                     self._keep_medusa_rows(batch, normed)
-                generations = self._generations(batch, logits)
+                # Rank 0 samples; the others answer with computed-token counts only.
+                generations = (generations_of(batch, logits, self.sampler, self.grammars) if self.samples else
+                               {s.id: pb.Generation(id=s.id, num_computed_tokens=s.num_computed + s.scheduled)
+                                for s in batch.seqs})
         except Exception:
             # The scheduled sequences' state is now unknown: drop them so the
             # router re-sends them in full (or releases them).
@@ -282,6 +285,14 @@ class ModelRunner:
         else:
             for seq in seqs:
                 seq.add_drafts(seq.ngram_drafts())
+        # A constrained sequence drafts only what its grammar allows: rank 0
+        # (which alone holds grammars) says how many, and every rank cuts there.
+        constrained = [s for s in seqs if s.constrained and s.drafted]
+        if constrained:
+            allowed = [self.grammars.allowed_prefix(s.grammar, s.token_ids[len(s.token_ids) - s.drafted:])
+                       if self.samples else 0 for s in constrained]
+            for seq, n in zip(constrained, self.tp.broadcast_from_first(allowed)):
+                seq.drop_drafts(seq.drafted - n)
 
     def _keep_medusa_rows(self, batch: StepBatch, normed: torch.Tensor) -> None:
         """Each sampling sequence keeps its rows' normed hidden states (every
@@ -294,77 +305,3 @@ class ModelRunner:
             positions=batch.positions, slot_mapping=batch.slot_mapping,
             num_decode_tokens=batch.num_decode_tokens, decode=batch.decode, prefill=batch.prefill,
             kv_caches=self.cache.layers, backend=self.backend)
-
-    def _generations(self, batch: StepBatch, logits: torch.Tensor) -> dict[int, pb.Generation]:
-        """Rank 0: sampled tokens and logprobs. Ranks > 0 answer with each
-        sequence's computed-token count only (nobody reads their tokens)."""
-        sampling = batch.samplers
-        out = {s.id: pb.Generation(id=s.id, num_computed_tokens=s.num_computed + s.scheduled)
-               for s in batch.seqs}
-        if not self.samples:
-            return out
-        if sampling:
-            # Rows to sample: one per sampler, 1 + drafts for one with drafts.
-            owners, contexts = row_contexts(sampling)
-            rows = batch.sample_rows
-            if len(owners) > len(sampling):
-                rows = [rows[i] + j for i, seq in enumerate(sampling) for j in range(1 + seq.drafted)]
-            # Usually every logits row samples: skip a copy of [S, vocab].
-            sample_logits = logits if rows == list(range(logits.shape[0])) else logits[rows]
-            # A sequence has a grammar only when self.grammars compiled it (and never drafts).
-            constrained = [j for j, i in enumerate(owners) if sampling[i].grammar is not None]
-            processors = []
-            if constrained:
-                processors.append(self.grammars.mask(constrained, [sampling[owners[j]].grammar for j in constrained]))
-            result = self.sampler(
-                sample_logits, [sampling[i].params for i in owners], contexts,
-                [sampling[i].prompt_length for i in owners], processors)
-            if constrained:
-                settled = self.grammars.settle([(sampling[owners[j]].grammar, result.token_ids[j]) for j in constrained])
-                for j, token in zip(constrained, settled):
-                    if token != result.token_ids[j]:
-                        # A budget replaced the draw (rare, see grammar_budget.py): the
-                        # replacement's logprob is under the model's own logits, before
-                        # penalties, mask and warpers (the sampler leaves them untouched).
-                        result.token_ids[j] = token
-                        result.logprobs[j] = torch.log_softmax(sample_logits[j].float(), -1)[token].item()
-                self.grammars.consume([(sampling[owners[j]].grammar, result.token_ids[j]) for j in constrained])
-            first = 0
-            for seq in sampling:
-                rows_of_seq = 1 + seq.drafted
-                kept = accepted(seq, result.token_ids[first:first + rows_of_seq]) if seq.drafted else 1
-                gen = out[seq.id]
-                gen.sampled = True
-                gen.num_drafted = seq.drafted
-                # The known tokens computed and the accepted drafts.
-                gen.num_computed_tokens = seq.num_computed + seq.scheduled - seq.drafted + kept - 1
-                for j in range(first, first + kept):
-                    top = (pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in result.top_tokens[j])
-                    if j == first:
-                        gen.token_id, gen.logprob = result.token_ids[j], result.logprobs[j]
-                        gen.top_tokens.extend(top)
-                    else:
-                        gen.next_tokens.append(pb.NextToken(token_id=result.token_ids[j],
-                                                            logprob=result.logprobs[j], top_tokens=top))
-                gen.grammar_complete = seq.grammar is not None and seq.grammar.complete
-                # They replace the drafts in token_ids at the sequence's next step.
-                seq.sampled = result.token_ids[first:first + kept]
-                first += rows_of_seq
-        for seq, first, count in batch.prompt_rows:
-            out[seq.id].prefill_tokens.extend(self._prompt_tokens(seq, logits[first:first + count]))
-        return out
-
-    @staticmethod
-    def _prompt_tokens(seq: ShardSequence, logits: torch.Tensor) -> list[pb.TokenLogprob]:
-        """Logits rows [n, vocab] at positions start..start+n-1 predict prompt
-        tokens start+1..; the sequence's first token has no logprob (NaN)."""
-        start = seq.num_computed
-        last = min(start + logits.shape[0], seq.prompt_length - 1)  # last predicted index
-        tokens = []
-        if start == 0:
-            tokens.append(pb.TokenLogprob(token_id=seq.token_ids[0], logprob=math.nan))
-        targets = seq.token_ids[start + 1:last + 1]
-        if targets:
-            lps = prompt_logprobs(logits[:len(targets)], torch.tensor(targets, device=logits.device))
-            tokens.extend(pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in zip(targets, lps))
-        return tokens

@@ -86,6 +86,13 @@ class ShardSequence:
         self.drafted += len(drafts)
         self.scheduled += len(drafts)
 
+    def drop_drafts(self, n: int) -> None:
+        """Takes back the last n drafts (before the step runs)."""
+        if n > 0:
+            del self.token_ids[len(self.token_ids) - n:]
+            self.drafted -= n
+            self.scheduled -= n
+
     def ngram_drafts(self) -> list[int]:
         """Up to draft_limit drafts by n-gram lookup in the sequence's own tokens."""
         if self.ngram is None:
@@ -168,7 +175,7 @@ class SequenceTable:
             seq.block_table.extend(blocks)
             seq.scheduled = scheduled
             seq.draft_limit = 0
-            if limit and scheduled == 1 and seq.samples and not seq.constrained:
+            if limit and scheduled == 1 and seq.samples:
                 seq.allow_drafts(limit)
             self._seqs[seq.id] = seq
             scheduled_seqs.append(seq)

@@ -109,18 +109,17 @@ def test_accepted_drafts_advance_the_sequence_and_an_eos_inside_the_run_ends_it_
     assert bm.num_used == 0
 
 
-def test_drafts_never_pass_max_new_tokens_and_grammars_do_not_draft():
+def test_drafts_never_pass_max_new_tokens():
     scheduler, _ = rig()
     short = seq(1, [11, 12], 3, eos=False)
-    constrained = Sequence(id=2, token_ids=[40, 41], params=pb.SamplingParameters(grammar='{"grammars": []}'),
-                           stopping=StoppingCriteria(20))
-    for s in (short, constrained):
+    roomy = seq(2, [40, 41], 20, eos=False)
+    for s in (short, roomy):
         scheduler.add(s)
     step = scheduler.schedule()
     scheduler.update(step, pb.StepResponse(generations=[pb.Generation(id=i, sampled=True, token_id=50)
                                                         for i in (1, 2)]))
     step = scheduler.schedule()
-    assert step.drafts == {1: 1}  # 1 generated, 1 to compute now, 1 draft: the third and last
+    assert step.drafts == {1: 1, 2: 4}  # 1 generated, 1 to compute now, 1 draft: the third and last
 
 
 def test_drafts_take_only_free_blocks_and_never_preempt():

@@ -5,6 +5,7 @@ top-n alternatives, stops inside accepted runs and grammars; sampled
 tokens follow the model's distribution (chi-square)."""
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -105,28 +106,59 @@ def test_logprobs_and_top_tokens_match_decoding_without_drafts(shard):
         assert [lp for _, lp in top] == pytest.approx([lp for _, lp in top0], abs=1e-4)
 
 
-def test_constrained_sequences_do_not_draft_and_the_rest_do(tmp_path):
-    """A grammar's sequence gets no drafts from the shard even when allowed."""
+ARRAY_SCHEMA = ('{"type": "array", "minItems": 3, "maxItems": 3, "items": {"type": "object", '
+                '"properties": {"identifier": {"type": "integer"}, "description": {"type": "string", '
+                '"maxLength": 3}}, "required": ["identifier", "description"], "additionalProperties": false}}')
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
+def test_constrained_sequences_draft_what_the_grammar_allows_and_keep_the_same_tokens(tmp_path, do_sample):
+    """A JSON array of objects repeats its keys: n-gram drafts of them are
+    allowed by the grammar and forced by it, so they are accepted; the
+    tokens are those of decoding without drafts, budget included."""
+    import llguidance
+
     from ..shard_harness import save_tiny_served_model
     path = save_tiny_served_model(tmp_path / "served", seed=3)
-    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
-    import llguidance
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(ARRAY_SCHEMA)
+    prompts = [list(b"list: "), list(b"abcabcabcabc"), list(b"[{")]
+    params = [greedy(grammar=grammar, max_new_tokens=120, do_sample=do_sample, seed=3), greedy(),
+              greedy(grammar=grammar, max_new_tokens=90, do_sample=do_sample, seed=4)]
     with InProcessShard(tmp_path, str(path)) as served:
-        prompts = [list(b"say it: {\"a\": 1} {\"a\": 1} {\"a\": "), list(b"abcabcabcabc")]
-        params = [greedy(grammar=grammar, max_new_tokens=NEW_TOKENS), greedy()]
-        plain = asyncio.run(run_prompts(served.socket, prompts, NEW_TOKENS, params=params))
+        plain = asyncio.run(run_prompts(served.socket, prompts, 120, params=params, stop_ids=(257,)))
         policy = DraftAlways(4)
-        drafted = asyncio.run(run_prompts(served.socket, prompts, NEW_TOKENS, params=params, speculation=policy))
+        drafted = asyncio.run(run_prompts(served.socket, prompts, 120, params=params, stop_ids=(257,),
+                                          speculation=policy))
     assert [s.generated_ids for s in drafted] == [s.generated_ids for s in plain]
-    assert policy.total_drafted > 0  # the unconstrained one drafted
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    for s in (drafted[0], drafted[2]):
+        text = tokenizer.decode(s.generated_ids)
+        assert [set(item) for item in json.loads(text)] == [{"identifier", "description"}] * 3
+    assert policy.total_accepted > 10
+
+
+def test_a_grammar_allows_a_drafts_prefix(tmp_path):
+    import llguidance
+
+    from tgi_server.sampling.grammar import GrammarCompiler
+
+    from ..shard_harness import save_tiny_served_model
+    path = save_tiny_served_model(tmp_path / "served")
+    compiler = GrammarCompiler((path / "tokenizer.json").read_text(), 320, [257])
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    state = compiler.start(1, llguidance.LLMatcher.grammar_from_regex(r"ab+c"), [])
+    assert compiler.allowed_prefix(state, tokenizer.encode("abbbc", add_special_tokens=False).ids) == 5
+    assert compiler.allowed_prefix(state, tokenizer.encode("abxc", add_special_tokens=False).ids) == 2
+    assert compiler.allowed_prefix(state, tokenizer.encode("c", add_special_tokens=False).ids) == 0
 
 
 def test_row_contexts_and_acceptance():
     seq = ShardSequence(id=1, token_ids=[1, 2, 3, 8, 9], prompt_length=2, num_computed=2, block_table=[0],
                         params=SamplingParams(), prefill_logprobs=False, scheduled=3, drafted=2)
-    owners, contexts = row_contexts([seq])
-    assert owners == [0, 0, 0] and [list(c) for c in contexts] == [[1, 2, 3], [1, 2, 3, 8], [1, 2, 3, 8, 9]]
+    owners, depths, contexts = row_contexts([seq])
+    assert owners == [0, 0, 0] and depths == [0, 1, 2] and [list(c) for c in contexts] == [[1, 2, 3], [1, 2, 3, 8], [1, 2, 3, 8, 9]]
     assert contexts[1][-1] == 8 and contexts[1][2:] == [3, 8] and len(contexts[0]) == 3
     assert accepted(seq, [8, 9, 4]) == 3 and accepted(seq, [8, 5, 4]) == 2 and accepted(seq, [7, 9, 4]) == 1
     view = TokensUpTo([4, 5, 6], 2)
@@ -158,7 +190,7 @@ def test_sampled_tokens_follow_the_models_distribution():
         params = SamplingParams(do_sample=True, seed=seed)
         seq = ShardSequence(id=1, token_ids=[0, 1, 2], prompt_length=1, num_computed=1, block_table=[0],
                             params=params, prefill_logprobs=False, scheduled=2, drafted=1)  # token 2 drafted
-        owners, contexts = row_contexts([seq])
+        _, _, contexts = row_contexts([seq])
         out = sampler(logits.expand(2, 8).contiguous(), [params, params], contexts, [1, 1])
         kept = accepted(seq, out.token_ids)
         accepts += kept == 2

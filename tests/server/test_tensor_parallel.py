@@ -147,9 +147,10 @@ EOS = 257  # the tiny served model's </s>
 REGEX_GRAMMAR = llguidance.LLMatcher.grammar_from_regex(r"[0-9]{3}-[a-z]{2}")
 
 
-def constrained(sockets) -> list[list[int]]:
-    params = [greedy(grammar=REGEX_GRAMMAR), greedy(do_sample=True, seed=5, grammar=REGEX_GRAMMAR)]
-    seqs = asyncio.run(run_prompts(sockets, [[256, 40, 70], [256, 41, 73, 9]], 12, params=params, stop_ids=(EOS,)))
+def constrained(sockets, speculation=None, grammar: str = REGEX_GRAMMAR) -> list[list[int]]:
+    params = [greedy(grammar=grammar), greedy(do_sample=True, seed=5, grammar=grammar)]
+    seqs = asyncio.run(run_prompts(sockets, [[256, 40, 70], [256, 41, 73, 9]], 24, params=params, stop_ids=(EOS,),
+                                   speculation=speculation))
     return [s.generated_ids for s in seqs]
 
 
@@ -168,6 +169,12 @@ def test_grammars_constrain_tokens_as_on_one_shard(served):
     shards, expected, _ = served
     assert all(len(tokens) == 7 and tokens[-1] == EOS for tokens in expected)  # 6 characters, then EOS
     assert constrained(shards.sockets) == expected
+    # With drafts (a text that repeats itself): rank 0 alone knows how many
+    # the grammar allows, and every rank cuts there.
+    repeats = llguidance.LLMatcher.grammar_from_regex(r"(ab-){6}")
+    policy = DraftAlways(3)
+    assert constrained(shards.sockets, policy, repeats) == constrained(shards.sockets, None, repeats)
+    assert policy.total_accepted > 0
 
 
 def test_a_grammar_rank_0_rejects_fails_the_step_on_every_rank_and_the_group_goes_on(served):

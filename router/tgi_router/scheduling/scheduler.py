@@ -187,14 +187,14 @@ class Scheduler:
     def _drafts(self, decoding: list[tuple[Sequence, int]], budget: int) -> dict[int, int]:
         """Draft tokens for the (sequence, tokens it will have generated) that
         decode in a step, within `budget` tokens: the policy's count, less
-        what would pass the sequence's max_new_tokens; none under a grammar."""
+        what would pass the sequence's max_new_tokens."""
         if self.speculation is None or not decoding:
             return {}
         allowed = self.speculation.drafts([seq for seq, _ in decoding], len(decoding))
         out = {}
         for seq, generated in decoding:
             k = min(allowed.get(seq.id, 0), seq.stopping.max_new_tokens - generated - 1, budget)
-            if k > 0 and not seq.params.grammar:
+            if k > 0:
                 out[seq.id] = k
                 budget -= k
         return out

@@ -10,6 +10,7 @@ sequence ends cleanly. A sequence that knows its max_new_tokens also keeps a
 Budget (grammar_budget.py), which narrows the mask near the end so that the
 grammar completes within it."""
 
+import copy
 import functools
 import logging
 import time
@@ -108,15 +109,22 @@ class GrammarCompiler:
                     state.budget.advance(self._plans, token)
         return state
 
-    def mask(self, rows: Sequence[int], grammars: Sequence[SequenceGrammar]) -> "GrammarMask":
-        """The logits processor that masks batch row rows[i] with grammars[i]."""
-        return GrammarMask(list(rows), list(grammars), self._plans)
+    def mask(self, rows: Sequence[int], grammars: Sequence[SequenceGrammar],
+             prefixes: Sequence[Sequence[int]] | None = None) -> "GrammarMask":
+        """The logits processor that masks batch row rows[i] with grammars[i],
+        as it stands after prefixes[i] (drafts before that row's position,
+        which the grammar allows; none by default)."""
+        return GrammarMask(list(rows), list(grammars), self._plans,
+                           [list(p) for p in prefixes] if prefixes is not None else [[] for _ in rows])
 
-    def settle(self, chosen: Sequence[tuple[SequenceGrammar, int]]) -> list[int]:
-        """The tokens to keep for each (grammar, sampled token): the token, or one
-        its budget puts in its place (Budget.settle)."""
-        return [g.budget.settle(self._plans, token) if g.budget is not None and not g.failed else token
-                for g, token in chosen]
+    def settle(self, mask: "GrammarMask", tokens: Sequence[int]) -> list[int]:
+        """The tokens to keep for each row of `mask` given the tokens sampled
+        there: the token, or one the row's budget puts in its place (Budget.settle)."""
+        return [b.settle(self._plans, token) if b is not None else token for b, token in zip(mask.budgets, tokens)]
+
+    def allowed_prefix(self, grammar: SequenceGrammar, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` the grammar allows after what it consumed."""
+        return 0 if grammar.failed else grammar.matcher.validate_tokens(list(tokens))
 
     def consume(self, chosen: Sequence[tuple[SequenceGrammar, int]]) -> None:
         """Advances each (grammar, sampled token) by its token."""
@@ -178,10 +186,15 @@ class GrammarMask:
     queued: on a GPU, unless something earlier in the step waited for the device
     (e.g. penalties), llguidance's CPU work overlaps the model's kernels."""
 
-    def __init__(self, rows: list[int], grammars: list[SequenceGrammar], plans: PlanMaker | None):
+    def __init__(self, rows: list[int], grammars: list[SequenceGrammar], plans: PlanMaker | None,
+                 prefixes: list[list[int]]):
         self.rows = rows
         self.grammars = grammars
         self.plans = plans
+        self.prefixes = prefixes
+        # Per row, the budget as it stands at the row's position (a copy past
+        # drafts), filled when the mask is applied; None: no budget.
+        self.budgets: list[Budget | None] = [None] * len(rows)
 
     def __call__(self, logits: torch.Tensor) -> None:
         """logits [B, V] float32, modified in place; V is the vocabulary size the
@@ -192,8 +205,13 @@ class GrammarMask:
         # llguidance's parallel fill (LLExecutor) was slower here: its worker
         # threads compete with torch's for the cores during the forward.
         words = np.empty(llg_numpy.get_bitmask_shape(len(self.rows), vocab), dtype=np.int32)
-        for i, g in enumerate(self.grammars):
+        for i, (g, prefix) in enumerate(zip(self.grammars, self.prefixes)):
+            if prefix:  # the state after the drafts, then back
+                g.matcher.consume_tokens(prefix)
             llg_numpy.fill_next_token_bitmask(g.matcher, words, i)
+            if prefix:
+                g.matcher.rollback(len(prefix))
+            self.budgets[i] = self._budget(g, prefix)
         for g in self.grammars:
             g.check()
         bitmask = torch.from_numpy(words)  # [R, ceil(V / 32)] int32, sharing the words
@@ -210,9 +228,20 @@ class GrammarMask:
         else:
             index = torch.tensor(self.rows, device=logits.device)  # [R]
             logits.index_add_(0, index, bias)
-        for row, g in zip(self.rows, self.grammars):
-            if g.budget is not None and not g.failed:
-                g.budget.restrict(self.plans, logits[row])
+        for row, budget in zip(self.rows, self.budgets):
+            if budget is not None:
+                budget.restrict(self.plans, logits[row])
+
+    def _budget(self, g: SequenceGrammar, prefix: list[int]) -> Budget | None:
+        """g's budget at a row after `prefix`: its own, or a copy advanced past the drafts."""
+        if g.budget is None or g.failed:
+            return None
+        if not prefix:
+            return g.budget
+        budget = copy.copy(g.budget)
+        for token in prefix:
+            budget.advance(self.plans, token)
+        return budget
 
 
 @functools.cache

@@ -45,22 +45,25 @@ class TokensUpTo(Sequence):
         return self._tokens[i]
 
 
-def row_contexts(seqs: Sequence[ShardSequence]) -> tuple[list[int], list[Sequence[int]]]:
+def row_contexts(seqs: Sequence[ShardSequence]) -> tuple[list[int], list[int], list[Sequence[int]]]:
     """For the sampling rows of `seqs` (1 + drafts each, in order): the
-    sequence of each row (its index in seqs) and the tokens before the
-    position the row samples."""
+    sequence of each row (its index in seqs), how many drafts precede the
+    row's position, and the tokens before that position."""
     owners: list[int] = []
+    depths: list[int] = []
     contexts: list[Sequence[int]] = []
     for i, seq in enumerate(seqs):
         known = len(seq.token_ids) - seq.drafted
         if not seq.drafted:
             owners.append(i)
+            depths.append(0)
             contexts.append(seq.token_ids)
             continue
         for extra in range(seq.drafted + 1):
             owners.append(i)
+            depths.append(extra)
             contexts.append(TokensUpTo(seq.token_ids, known + extra))
-    return owners, contexts
+    return owners, depths, contexts
 
 
 def accepted(seq: ShardSequence, sampled: Sequence[int]) -> int:
