@@ -237,7 +237,8 @@ class ModelRunner:
     # -- steps -------------------------------------------------------------
     def step(self, request: pb.StepRequest) -> pb.StepResponse:
         t0 = time.perf_counter_ns()
-        seqs = self.table.apply(request, self.tp.all_true, self.tp.broadcast_from_first)
+        seqs = self.table.apply(request, self.tp.all_true,
+                                self.tp.broadcast_from_first if self.tp.world_size > 1 else None)
         if not seqs:
             return pb.StepResponse(step_id=request.step_id, timings=pb.Timings(total_ns=time.perf_counter_ns() - t0))
         try:

@@ -113,10 +113,6 @@ def _alone(ok: bool) -> bool:
     return ok
 
 
-def _own(tokens: list[int]) -> list[int]:
-    return tokens
-
-
 class SequenceTable:
     """All live sequences of this shard, by id.
 
@@ -143,23 +139,26 @@ class SequenceTable:
         self._seqs.clear()
 
     def apply(self, request: pb.StepRequest, agree: Callable[[bool], bool] = _alone,
-              share: Callable[[list[int]], list[int]] = _own) -> list[ShardSequence]:
+              share: Callable[[list[int]], list[int]] | None = None) -> list[ShardSequence]:
         """Applies releases, new sequences and deltas (each running sequence
         first takes the tokens it sampled last, if any, in place of its
         drafts); returns the scheduled
         sequences (running, then new, in request order) with `scheduled` set.
 
-        First calls `share(values)` exactly once with this rank's sampled
-        tokens per running sequence (`_sampled`'s layout): it returns rank
-        0's, so that every rank of a tensor-parallel group appends the tokens
-        rank 0 sampled. Each sequence's draft_limit says how many drafts the
+        With `share` (tensor parallelism), first calls `share(values)` exactly
+        once with this rank's sampled tokens per running sequence
+        (`_sampled`'s layout): it returns rank 0's, so that every rank of the
+        group appends the tokens rank 0 sampled; None: one rank, its own. Each sequence's draft_limit says how many drafts the
         step may add (the caller proposes them, from the same tokens on every
         rank). Then validates everything before changing anything but the
         releases, and calls `agree(valid)` exactly once: it answers whether
         every rank found the step valid (rank 0 alone checks grammars), so
         that all ranks run the step or none does."""
-        sampled = self._unpack(share([v for r in request.running for v in self._sampled(r.id)]),
-                               request.running)
+        if share is None:
+            sampled = [self._own_sampled(r.id) for r in request.running]
+        else:
+            sampled = self._unpack(share([v for r in request.running for v in self._sampled(r.id)]),
+                                   request.running)
         try:
             staged = self._stage(request, sampled)
         except Exception:
@@ -180,6 +179,10 @@ class SequenceTable:
             self._seqs[seq.id] = seq
             scheduled_seqs.append(seq)
         return scheduled_seqs
+
+    def _own_sampled(self, seq_id: int) -> list[int]:
+        seq = self._seqs.get(seq_id)
+        return [] if seq is None or seq.sampled is None else seq.sampled
 
     def _sampled(self, seq_id: int) -> list[int]:
         """A running sequence's slot in the shared values: 2 + its drafts of
