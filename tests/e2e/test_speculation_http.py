@@ -141,20 +141,25 @@ def test_the_default_model_copying_text_accepts_runs_and_stops_inside_them(tmp_p
 
 def test_a_draft_model_serves_the_targets_answers_and_its_blocks_come_back(tiny):
     """--speculative-model: a tiny draft with the target's tokenizer; the
-    answers are the target's, and once they are done every KV block (the
-    target's and the draft's share ids) is free again."""
+    answers are the target's at --speculate 1, 3 and 6 (stops included), and
+    once they are done every KV block (the target's and the draft's share
+    ids) is free again."""
     path, tmp = tiny
     draft = save_tiny_served_model(tmp / "draft", seed=9, num_hidden_layers=1)
-    bodies = tiny_requests()[:8] + tiny_requests()[16:20]
+    bodies = tiny_requests()
     with RunningServer(tmp / "d0", str(path), max_total_tokens=256, max_input_tokens=200) as server:
         baseline = answers(server.url, bodies)
-    with RunningServer(tmp / "d1", str(path), max_total_tokens=256, max_input_tokens=200, speculate=3,
-                       speculative_model=str(draft)) as server:
-        assert server.shard.runner.draft is not None
-        assert answers(server.url, bodies) == baseline
-        assert metric(server.url, "tgi_speculative_draft_tokens") > 0
-        assert metric(server.url, "tgi_kv_cache_blocks_used") == 0
-        assert metric(server.url, "tgi_kv_cache_blocks_free") == metric(server.url, "tgi_kv_cache_blocks_capacity")
+        stops = with_stops(bodies, baseline)
+        stopped = answers(server.url, stops)
+    for speculate in (1, 3, 6):
+        with RunningServer(tmp / f"d{speculate}", str(path), max_total_tokens=256, max_input_tokens=200,
+                           speculate=speculate, speculative_model=str(draft)) as server:
+            assert server.shard.runner.draft is not None
+            assert answers(server.url, bodies) == baseline, speculate
+            assert answers(server.url, stops) == stopped, speculate
+            assert metric(server.url, "tgi_speculative_draft_tokens") > 0
+            assert metric(server.url, "tgi_kv_cache_blocks_used") == 0
+            assert metric(server.url, "tgi_kv_cache_blocks_free") == metric(server.url, "tgi_kv_cache_blocks_capacity")
 
 
 def test_a_model_with_medusa_heads_drafts_with_them_unless_told_otherwise(tiny):

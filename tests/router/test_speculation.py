@@ -191,3 +191,14 @@ def test_policy_learns_each_sequences_rate_from_its_drafts():
     assert (policy.total_drafted, policy.total_accepted) == (20, 5)
     fresh = Seq(2)
     assert policy.rate(fresh) == pytest.approx((PRIOR * policy.rate(s)) / PRIOR, abs=0.05)
+
+
+def test_a_step_ahead_drops_its_drafts_rather_than_the_step_when_blocks_are_short():
+    scheduler, bm = rig(num_blocks=3)
+    s = seq(1, [11, 12, 13], 20, eos=False)
+    scheduler.add(s)
+    decode_once(scheduler, s)  # 4 tokens: one block
+    inflight = scheduler.schedule()  # 1 + 4 drafts: up to 8 tokens, two blocks
+    assert inflight.drafts == {1: 4} and len(s.block_table) == 2
+    ahead = scheduler.schedule_ahead(inflight)  # 4 more drafts would need a fourth block
+    assert ahead is not None and ahead.seqs == [(s, 1)] and ahead.drafts == {}

@@ -135,7 +135,7 @@ class Scheduler:
         sequences as they will be once it has run, then newcomers; None when
         nothing can run or a running sequence lacks blocks (no preemption
         here: apply `inflight` first, then `schedule()`)."""
-        # A sequence with drafts in flight may have them all accepted: room for that.
+        # n counts drafts: a sequence with drafts in flight gets room for all of them being accepted.
         ahead = {seq.id: n for seq, n in inflight.seqs}
         wanted: list[tuple[Sequence, int, int]] = []  # (sequence, tokens it needs, computed before them)
         for seq in self.running:
@@ -163,8 +163,12 @@ class Scheduler:
         # Generated tokens once the step in flight has run: at least one more when it samples.
         drafts = self._drafts([(seq, seq.num_generated + (len(seq.token_ids) <= c)) for seq, n, c in plan
                                if n == 1 and len(seq.token_ids) - c <= 1], budget)
-        plan = [(seq, n + drafts.get(seq.id, 0), c) for seq, n, c in plan]
-        missing = [self.blocks.blocks_for(c + n) - len(seq.block_table) for seq, n, c in plan]
+        with_drafts = [(seq, n + drafts.get(seq.id, 0), c) for seq, n, c in plan]
+        missing = [self.blocks.blocks_for(c + n) - len(seq.block_table) for seq, n, c in with_drafts]
+        if drafts and sum(m for m in missing if m > 0) > self.blocks.num_available:
+            drafts, with_drafts = {}, plan  # blocks are short: no drafts rather than no step
+            missing = [self.blocks.blocks_for(c + n) - len(seq.block_table) for seq, n, c in plan]
+        plan = with_drafts
         if sum(m for m in missing if m > 0) > self.blocks.num_available:
             return None
         for (seq, _, _), m in zip(plan, missing):
