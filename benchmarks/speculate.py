@@ -1,15 +1,17 @@
 """Speculative decoding benchmark: the real launcher serving the default
 model (SmolLM2-135M-Instruct, the dtype the shard chooses on this CPU, its
-compiled decode steps, 2 threads) three times at once: without drafts
-("off"), with n-gram drafts (--speculate SPECULATE) and with a draft model
+compiled decode steps, 2 threads) four times at once: without drafts
+("off"), with n-gram drafts (--speculate SPECULATE), with a draft model
 (--speculative-model: the default model itself, no smaller model with its
-tokenizer being installed; --speculate DRAFT_SPECULATE). The sides take
-turns at each workload, so that the host's noise falls on all alike.
+tokenizer being installed; --speculate DRAFT_SPECULATE) and with Medusa
+heads trained here (benchmarks/medusa_heads.py: none are published for the
+default model; as many drafts as heads). The sides take turns at each
+workload, so that the host's noise falls on all alike.
 
 Workloads (greedy):
 - copy (/v1/chat/completions, 200 new tokens): COPY_TASKS, a paragraph to
-  copy with one word changed, at concurrency 1 (n-gram and draft model) and
-  8 (n-gram);
+  copy with one word changed, at concurrency 1 (every proposer) and 8
+  (n-gram);
 - code (the same, c1): CODE_TASKS, a function to copy with one name
   changed; the default model copies its first lines, then writes code of
   its own, so that it is only half copy-heavy;
@@ -22,8 +24,9 @@ Workloads (greedy):
 Keys: each side's tokens/s, ratio to "off", acceptance rate (accepted drafts
 per draft, from /metrics) and tokens per sequence and step; the headline
 speculate_c1_copy_speedup (goal >= 2.0), speculate_c32_plain_ratio (goal
->= 0.97: never slower under load), speculate_c32_chat_ratio,
-speculate_ngram_acceptance_rate and speculate_draft_acceptance_rate; and
+>= 0.97: never slower under load), speculate_c32_chat_ratio, and each
+proposer's acceptance rate on the copy workload at c1
+(speculate_{ngram,draft,medusa}_acceptance_rate); and
 how many answers equal those without drafts, beside how many answers
 without drafts equal themselves from one turn to the next (in bf16 greedy
 answers depend on the batch, whose size picks the kernels: see
@@ -39,6 +42,7 @@ import httpx
 from . import engine as engine_bench
 from .http import gather_limited, launched, load
 from .machine import dtype_name, serving_dtype
+from .medusa_heads import HEADS as MEDUSA_HEADS, medusa_dir
 
 # 1 + 7 rows fill the compiled decode step of 8 rows and the int8 LM head's GEMV (up to 8 rows).
 SPECULATE = 7
@@ -122,7 +126,8 @@ def _counts(url: str) -> dict[str, float]:
 
 
 # (workload, concurrency) -> the sides that run it
-WORKLOADS = {("copy", 1): ("off", "ngram", "draft"), ("copy", 8): ("off", "ngram"), ("code", 1): ("off", "ngram"),
+WORKLOADS = {("copy", 1): ("off", "ngram", "draft", "medusa"), ("copy", 8): ("off", "ngram"),
+             ("code", 1): ("off", "ngram"),
              ("plain", 32): ("off", "ngram"), ("chat", 32): ("off", "ngram")}
 
 
@@ -140,7 +145,8 @@ def run() -> dict:
                                                       add_generation_prompt=True) for t in CHAT_TASKS]}
     flags = {"off": (), "ngram": ("--speculate", str(SPECULATE)),
              # No smaller model with its tokenizer is installed: the default model drafts for itself.
-             "draft": ("--speculate", str(DRAFT_SPECULATE), "--speculative-model", str(path))}
+             "draft": ("--speculate", str(DRAFT_SPECULATE), "--speculative-model", str(path)),
+             "medusa": ("--model-id", str(medusa_dir()))}
     results: dict[str, dict] = {side: {} for side in flags}
     answers: dict[tuple[str, str, int], list[list[str]]] = {}  # (side, workload, c) -> each turn's answers
     with contextlib.ExitStack() as stack:
@@ -165,7 +171,8 @@ def run() -> dict:
 def _report(results: dict[str, dict], answers: dict) -> dict:
     out = {"speculate_n": SPECULATE, "speculate_dtype": dtype_name(serving_dtype())}
     print(f"\nSpeculation benchmark: SmolLM2-135M {dtype_name(serving_dtype())}, {engine_bench.THREADS} threads; "
-          f"n-gram --speculate {SPECULATE}, draft model (itself) --speculate {DRAFT_SPECULATE}, against 0")
+          f"n-gram --speculate {SPECULATE}, draft model (itself) --speculate {DRAFT_SPECULATE}, "
+          f"{MEDUSA_HEADS} Medusa heads, against 0")
     print(f"{'workload':<12}{'side':<7}{'off tok/s':>10}{'on tok/s':>10}{'ratio':>8}{'accept':>8}{'tok/step':>9}")
     for (workload, c), sides in WORKLOADS.items():
         key = f"{workload}_c{c}"
@@ -189,7 +196,9 @@ def _report(results: dict[str, dict], answers: dict) -> dict:
     out["speculate_c32_chat_ratio"] = out["speculate_ngram_chat_c32_ratio"]
     out["speculate_ngram_acceptance_rate"] = out["speculate_ngram_copy_c1_acceptance_rate"]
     out["speculate_draft_acceptance_rate"] = out["speculate_draft_copy_c1_acceptance_rate"]
-    for side, workload, c in (("ngram", "copy", 1), ("draft", "copy", 1), ("ngram", "copy", 8), ("ngram", "code", 1)):
+    out["speculate_medusa_acceptance_rate"] = out["speculate_medusa_copy_c1_acceptance_rate"]
+    for side, workload, c in (("ngram", "copy", 1), ("draft", "copy", 1), ("medusa", "copy", 1), ("ngram", "copy", 8),
+                              ("ngram", "code", 1)):
         # drafting against not, turn by turn; and not drafting against itself (the batch's own variance)
         off, on = answers[("off", workload, c)], answers[(side, workload, c)]
         same = sum(a == b for turn_off, turn_on in zip(off, on) for a, b in zip(turn_off, turn_on))
