@@ -27,6 +27,7 @@ from collections.abc import Iterable
 
 from tgi_proto import pb
 
+from tgi_router.scheduling.decayed_line import DecayedLine
 from tgi_router.scheduling.sequence import Sequence
 
 DECAY = 0.97        # weight of the previous steps in the cost line at each new one
@@ -38,8 +39,7 @@ START_RATE = 0.5    # the global rate before any draft was checked
 class SpeculationPolicy:
     def __init__(self, max_drafts: int):
         self.max_drafts = max_drafts
-        # Decode-only steps: decayed sums of 1, tokens, seconds, tokens^2, tokens*seconds.
-        self._w = self._n = self._t = self._nn = self._nt = 0.0
+        self._steps = DecayedLine(DECAY)  # decode-only steps: seconds over tokens computed
         self._slope: float | None = None  # the last per-token cost the steps' spread could tell
         self._accepted = 0.0  # all sequences, decayed like a sequence's rate
         self._checked = 0.0
@@ -82,12 +82,12 @@ class SpeculationPolicy:
 
     def _line(self) -> tuple[float, float] | None:
         """(base seconds, seconds per token) of a decode-only step, or None before any."""
-        if self._w < 1.0:
+        fit = self._steps.fit(min_var=0.25)
+        if fit is None:
             return None
-        mn, mt = self._n / self._w, self._t / self._w
-        var = self._nn / self._w - mn * mn
-        if var >= 0.25:  # steps of different sizes seen: their spread measures a token's cost
-            self._slope = max(0.0, (self._nt / self._w - mn * mt) / var)
+        mn, mt, slope = fit
+        if slope is not None:  # steps of different sizes seen: their spread measures a token's cost
+            self._slope = slope
         slope = self._slope or 0.0
         return max(0.0, mt - slope * mn), slope
 
@@ -111,6 +111,4 @@ class SpeculationPolicy:
                 self.total_drafted += gen.num_drafted
                 self.total_accepted += accepted
         if decode_only and seqs:
-            k = DECAY
-            self._w, self._n, self._t = k * self._w + 1, k * self._n + computed, k * self._t + seconds
-            self._nn, self._nt = k * self._nn + computed * computed, k * self._nt + computed * seconds
+            self._steps.add(computed, seconds)

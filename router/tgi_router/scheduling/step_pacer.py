@@ -21,6 +21,8 @@ before both costs have been seen, there is no bound.
 Pure Python, no model: the scheduler asks `prompt_cap` and feeds `observe`
 with each step's composition and the shards' time as it applies the answer."""
 
+from tgi_router.scheduling.decayed_line import DecayedLine
+
 STALL_RATIO = 2.5   # a step with prompt tokens may take this many times a decode-only step
 DECAY = 0.98        # weight of the previous steps at each new one (~50 steps remembered)
 TOKEN_WEIGHT = 0.2  # weight of each new step in the prompt token's cost
@@ -32,9 +34,7 @@ class StepPacer:
         """min_tokens: the cap never goes below it (a block: progress every step)."""
         self.min_tokens = min_tokens
         self.stall_ratio = stall_ratio
-        self.decay = decay
-        # Decode-only steps: decayed sums of 1, D, seconds, D*D and D*seconds.
-        self._w = self._d = self._t = self._dd = self._dt = 0.0
+        self._decodes = DecayedLine(decay)  # decode-only steps: seconds over decodes
         self._token_s: float | None = None  # EMA of a prompt token's seconds beside decodes
 
     def observe(self, decodes: int, prompt_tokens: int, seconds: float) -> None:
@@ -42,9 +42,7 @@ class StepPacer:
         `prompt_tokens` other tokens in `seconds` on the shards."""
         if prompt_tokens == 0:
             if decodes:
-                k = self.decay
-                self._w, self._d, self._t = k * self._w + 1, k * self._d + decodes, k * self._t + seconds
-                self._dd, self._dt = k * self._dd + decodes * decodes, k * self._dt + decodes * seconds
+                self._decodes.add(decodes, seconds)
             return
         base = self.decode_seconds(decodes) if decodes else 0.0
         if prompt_tokens < MIN_PROMPT or base is None:
@@ -57,12 +55,11 @@ class StepPacer:
         """A decode-only step's seconds at `decodes` sequences: a line fitted
         over the decode-only steps seen (their mean where their sizes hardly
         vary), or None before any."""
-        if self._w < 1.0:
+        fit = self._decodes.fit(min_var=1.0)
+        if fit is None:
             return None
-        md, mt = self._d / self._w, self._t / self._w
-        var = self._dd / self._w - md * md
-        slope = max(0.0, (self._dt / self._w - md * mt) / var) if var >= 1.0 else 0.0
-        return max(0.0, mt + slope * (decodes - md))
+        md, mt, slope = fit
+        return max(0.0, mt + (slope or 0.0) * (decodes - md))
 
     def prompt_cap(self, decodes: int, batch: int) -> int | None:
         """Prompt tokens allowed in a step where `decodes` sequences decode
