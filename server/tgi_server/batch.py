@@ -6,6 +6,7 @@ import torch
 
 from tgi_kernels import DecodeMeta, PrefillMeta, build_decode_meta, build_prefill_meta
 
+from .layers.attention import ForwardContext
 from .sequences import ShardSequence
 
 
@@ -30,6 +31,12 @@ class StepBatch:
     sample_rows: list[int]       # per sampler, its (first) row in the logits [S]: 1 + its drafts rows
     prompt_rows: list[tuple[ShardSequence, int, int]]  # (seq, first logits row, count) for prefill logprobs
     lora_segments: list[tuple[int, int, int]]  # (LoRA adapter > 0, first row, end row): runs of rows
+
+    def context(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: str) -> ForwardContext:
+        """The attention's view of this batch over the caches `kv_caches`."""
+        return ForwardContext(positions=self.positions, slot_mapping=self.slot_mapping,
+                              num_decode_tokens=self.num_decode_tokens, decode=self.decode, prefill=self.prefill,
+                              kv_caches=kv_caches, backend=backend)
 
     def to(self, device: torch.device) -> "StepBatch":
         """The same batch with its tensors (metadata's included) on `device`."""

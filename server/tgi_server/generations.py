@@ -15,11 +15,15 @@ from .sequences import ShardSequence
 from .speculation.verify import accepted, row_contexts
 
 
-def generations(batch: StepBatch, logits: torch.Tensor, sampler: Sampler,
+def generations(batch: StepBatch, logits: torch.Tensor, sampler: Sampler | None,
                 grammars: GrammarCompiler | None) -> dict[int, pb.Generation]:
     """logits [S, vocab] float32 of batch.logits_rows -> a Generation per
-    sequence of the batch; sets each sampling sequence's `sampled`."""
+    sequence of the batch; sets each sampling sequence's `sampled`. Without
+    a sampler (tensor-parallel ranks > 0, whose tokens nobody reads) only
+    each sequence's computed-token count."""
     out = {s.id: pb.Generation(id=s.id, num_computed_tokens=s.num_computed + s.scheduled) for s in batch.seqs}
+    if sampler is None:
+        return out
     if batch.samplers:
         _sample(batch, logits, sampler, grammars, out)
     for seq, first, count in batch.prompt_rows:
@@ -43,7 +47,7 @@ def _sample(batch: StepBatch, logits: torch.Tensor, sampler: Sampler, grammars: 
     mask = None
     if constrained:
         mask = grammars.mask(constrained, [sampling[owners[j]].grammar for j in constrained],
-                             [_drafts(sampling[owners[j]])[:depths[j]] for j in constrained])
+                             [sampling[owners[j]].drafts[:depths[j]] for j in constrained])
     result = sampler(sample_logits, [sampling[i].params for i in owners], contexts,
                      [sampling[i].prompt_length for i in owners], [mask] if mask else [])
     if mask is not None:
@@ -80,10 +84,6 @@ def _sample(batch: StepBatch, logits: torch.Tensor, sampler: Sampler, grammars: 
         gen.grammar_complete = seq.grammar is not None and seq.grammar.complete
         # They replace the drafts in token_ids at the sequence's next step.
         seq.sampled = result.token_ids[first:first + k]
-
-
-def _drafts(seq: ShardSequence) -> list[int]:
-    return seq.token_ids[len(seq.token_ids) - seq.drafted:]
 
 
 def _prompt_tokens(seq: ShardSequence, logits: torch.Tensor) -> list[pb.TokenLogprob]:

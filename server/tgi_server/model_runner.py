@@ -251,9 +251,7 @@ class ModelRunner:
                 if normed is not None:
                     self._keep_medusa_rows(batch, normed)
                 # Rank 0 samples; the others answer with computed-token counts only.
-                generations = (generations_of(batch, logits, self.sampler, self.grammars) if self.samples else
-                               {s.id: pb.Generation(id=s.id, num_computed_tokens=s.num_computed + s.scheduled)
-                                for s in batch.seqs})
+                generations = generations_of(batch, logits, self.sampler if self.samples else None, self.grammars)
         except Exception:
             # The scheduled sequences' state is now unknown: drop them so the
             # router re-sends them in full (or releases them).
@@ -290,8 +288,7 @@ class ModelRunner:
         # (which alone holds grammars) says how many, and every rank cuts there.
         constrained = [s for s in seqs if s.constrained and s.drafted]
         if constrained:
-            allowed = [self.grammars.allowed_prefix(s.grammar, s.token_ids[len(s.token_ids) - s.drafted:])
-                       if self.samples else 0 for s in constrained]
+            allowed = [self.grammars.allowed_prefix(s.grammar, s.drafts) if self.samples else 0 for s in constrained]
             for seq, n in zip(constrained, self.tp.broadcast_from_first(allowed)):
                 seq.drop_drafts(seq.drafted - n)
 
@@ -302,7 +299,4 @@ class ModelRunner:
             seq.medusa_rows = normed[first:first + 1 + seq.drafted]
 
     def _context(self, batch: StepBatch) -> ForwardContext:
-        return ForwardContext(
-            positions=batch.positions, slot_mapping=batch.slot_mapping,
-            num_decode_tokens=batch.num_decode_tokens, decode=batch.decode, prefill=batch.prefill,
-            kv_caches=self.cache.layers, backend=self.backend)
+        return batch.context(self.cache.layers, self.backend)

@@ -58,6 +58,16 @@ class ShardSequence:
         """Whether the current step reaches the last known token."""
         return self.num_computed + self.scheduled == len(self.token_ids)
 
+    @property
+    def drafts(self) -> list[int]:
+        """The drafts at the end of token_ids (a copy)."""
+        return self.token_ids[len(self.token_ids) - self.drafted:]
+
+    def rejected(self, kept: int) -> int:
+        """How many of the last step's drafts were rejected when it kept `kept`
+        tokens (the accepted drafts and the token after them)."""
+        return self.drafted - (kept - 1) if self.drafted else 0
+
     def settle(self, sampled: list[int]) -> None:
         """Replaces the last step's drafts by what it sampled: the accepted
         drafts and the token after them (all of `sampled`); num_computed
@@ -66,7 +76,7 @@ class ShardSequence:
         known = len(self.token_ids) - self.drafted
         if self.drafted:
             del self.token_ids[known:]
-            self.num_computed -= self.drafted - (len(sampled) - 1)
+            self.num_computed -= self.rejected(len(sampled))
             self.drafted = 0
         self.draft_computed = min(self.draft_computed, known + max(0, len(sampled) - 1))
         self.last_kept = len(sampled)
@@ -167,8 +177,7 @@ class SequenceTable:
         if not agree(True):
             raise StepError("another shard rejected the step")
         scheduled_seqs = []
-        drafts = [r.num_draft_tokens for r in request.running] + [0] * len(request.new_sequences)
-        for (seq, tokens, blocks, scheduled), limit in zip(staged, drafts):
+        for seq, tokens, blocks, scheduled, limit in staged:
             seq.sampled = None
             seq.settle(tokens)
             seq.block_table.extend(blocks)
@@ -208,9 +217,10 @@ class SequenceTable:
         return out
 
     def _stage(self, request: pb.StepRequest,
-               sampled: list[int]) -> list[tuple[ShardSequence, list[int], list[int], int]]:
+               sampled: list[list[int]]) -> list[tuple[ShardSequence, list[int], list[int], int, int]]:
         """Validates the request and applies its releases; returns per scheduled
-        sequence (seq, tokens to append, blocks to append, tokens scheduled)."""
+        sequence (seq, tokens to append, blocks to append, tokens scheduled,
+        drafts allowed)."""
         seen: set[int] = set()
         for r in request.running:
             if r.id not in self._seqs or r.id in request.release_ids:
@@ -223,17 +233,16 @@ class SequenceTable:
         self.release(request.release_ids)
         staged = ([self._delta(r, t) for r, t in zip(request.running, sampled)]
                   + [self._new(n) for n in request.new_sequences])
-        drafts = [r.num_draft_tokens for r in request.running] + [0] * len(request.new_sequences)
-        for (seq, tokens, blocks, scheduled), limit in zip(staged, drafts):
+        for seq, tokens, blocks, scheduled, limit in staged:
             # As the sequence will be once the last step's drafts are settled.
-            computed = seq.num_computed - (seq.drafted - len(tokens) + 1 if seq.drafted else 0)
+            computed = seq.num_computed - seq.rejected(len(tokens))
             self._check(seq.id, computed, len(seq.token_ids) - seq.drafted + len(tokens),
                         len(seq.block_table) + len(blocks), scheduled, limit, blocks)
             if tokens and max(tokens) >= self.vocab_size:
                 raise StepError(f"sequence {seq.id}: token id {max(tokens)} is outside the "
                                 f"vocabulary (size {self.vocab_size})")
         # Grammars compile only once the tokens they consume are known to be valid.
-        for (seq, tokens, _, _), n in zip(staged[len(request.running):], request.new_sequences):
+        for (seq, tokens, _, _, _), n in zip(staged[len(request.running):], request.new_sequences):
             if n.parameters.grammar and self.samples:
                 seq.grammar = self._grammar(seq.id, n.parameters, tokens[seq.prompt_length:])
         return staged
@@ -242,7 +251,7 @@ class SequenceTable:
         seq = self._seqs[r.id]
         if seq.drafted and not sampled:
             raise StepError(f"sequence {r.id}: its drafts were never checked")
-        return seq, sampled, list(r.new_block_ids), r.num_scheduled_tokens
+        return seq, sampled, list(r.new_block_ids), r.num_scheduled_tokens, r.num_draft_tokens
 
     def _new(self, n: pb.NewSequence):
         seq = ShardSequence(
@@ -251,7 +260,7 @@ class SequenceTable:
             params=params_from_proto(n.parameters), prefill_logprobs=n.parameters.prefill_logprobs,
             adapter=n.adapter, max_new_tokens=n.parameters.max_new_tokens,
             constrained=bool(n.parameters.grammar), draft_computed=n.num_computed_tokens)
-        return seq, list(n.token_ids), list(n.block_table), n.num_scheduled_tokens
+        return seq, list(n.token_ids), list(n.block_table), n.num_scheduled_tokens, 0
 
     def _grammar(self, seq_id: int, p: pb.SamplingParameters, generated: list[int]) -> SequenceGrammar:
         """The grammar's state after `generated` (a re-sent preempted sequence's tokens)."""

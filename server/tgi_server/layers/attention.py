@@ -49,7 +49,7 @@ class ForwardContext:
     """Everything a step's attention needs besides the hidden states.
 
     The flat batch holds `num_decode_tokens` decode tokens (one per decoding
-    sequence) followed by the prefill chunks."""
+    sequence, 1 + d for one with d drafts) followed by the prefill chunks."""
 
     positions: torch.Tensor      # [T] int64 absolute position of each token
     slot_mapping: torch.Tensor   # [T] int64 cache slot of each token (block * block_size + offset)

@@ -28,7 +28,6 @@ import torch
 
 from ..batch import build_batch
 from ..kv_cache import KVCache, KVCacheSpec
-from ..layers.attention import ForwardContext
 from ..model_loader import LoadedModel
 from ..sequences import ShardSequence
 
@@ -40,7 +39,6 @@ class DraftModel:
     def __init__(self, loaded: LoadedModel, block_size: int, backend: str, vocab_size: int,
                  kv_dtype: torch.dtype | None = None):
         self.model = loaded.model
-        self.config = loaded.config
         self.device = loaded.device
         self.block_size = block_size
         self.backend = backend
@@ -48,7 +46,6 @@ class DraftModel:
         self.kv_spec = KVCacheSpec(loaded.config.num_layers, loaded.model.heads.num_kv_heads,
                                    loaded.config.head_dim, block_size, kv_dtype or loaded.dtype)
         self.cache = KVCache(self.kv_spec, 0, self.device)
-        self.weight_bytes = loaded.weight_bytes
 
     def allocate(self, num_blocks: int) -> None:
         """A cache of num_blocks blocks (the target's count), emptied."""
@@ -61,7 +58,7 @@ class DraftModel:
         views = [_View(s, s.draft_computed, len(s.token_ids) - s.draft_computed) for s in seqs]
         drafts = self._next(views)
         active = seqs
-        for step in range(max(s.draft_limit for s in seqs)):
+        for _ in range(max(s.draft_limit for s in seqs)):
             for seq, token in zip(active, drafts):
                 seq.add_drafts([token])
                 seq.draft_computed = len(seq.token_ids) - 1  # the draft K/V now reaches its last input
@@ -73,9 +70,7 @@ class DraftModel:
     def _next(self, views: list["_View"]) -> list[int]:
         """The draft model's argmax after each view's tokens, its K/V written."""
         batch = build_batch(views, self.block_size, self.device)
-        ctx = ForwardContext(positions=batch.positions, slot_mapping=batch.slot_mapping,
-                             num_decode_tokens=batch.num_decode_tokens, decode=batch.decode,
-                             prefill=batch.prefill, kv_caches=self.cache.layers, backend=self.backend)
+        ctx = batch.context(self.cache.layers, self.backend)
         logits = self.model.logits(self.model(batch.input_ids, ctx), batch.logits_rows)  # [S, vocab]
         best = logits[:, :self.vocab_size].argmax(dim=-1).tolist()
         # build_batch orders decodes (one token) before longer chunks: back to the views' order.

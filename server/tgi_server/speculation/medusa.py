@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-HEADS_FILE = "medusa_lm_head.safetensors"
+from ..weights.source import MEDUSA_HEADS_FILE as HEADS_FILE
 
 
 def medusa_config(path: Path) -> dict | None:

@@ -70,7 +70,7 @@ def accepted(seq: ShardSequence, sampled: Sequence[int]) -> int:
     """How many tokens of `sampled` (one per row of seq, 1 + its drafts) the
     sequence keeps: the drafts that equal the token sampled before them, plus
     the token after them."""
-    drafts = seq.token_ids[len(seq.token_ids) - seq.drafted:]
+    drafts = seq.drafts
     kept = 0
     while kept < seq.drafted and sampled[kept] == drafts[kept]:
         kept += 1

@@ -46,6 +46,10 @@ def _index(dim: int, start: int, stop: int) -> tuple[slice, ...]:
     return (slice(None),) * dim + (slice(start, stop),)
 
 
+# The file of Medusa heads in a model directory (TGI's name), which is not model weights.
+MEDUSA_HEADS_FILE = "medusa_lm_head.safetensors"
+
+
 class SafetensorsSource:
     """Tensors of a Hugging Face directory: model.safetensors, or the shards
     listed in model.safetensors.index.json, opened lazily (memory-mapped)."""
@@ -58,7 +62,7 @@ class SafetensorsSource:
         self.kv_scales = False
         self._file_of: dict[str, Path] = {}
         # Medusa heads beside the weights are the speculator's (speculation/medusa.py).
-        files = sorted(f for f in directory.glob("*.safetensors") if f.name != "medusa_lm_head.safetensors")
+        files = sorted(f for f in directory.glob("*.safetensors") if f.name != MEDUSA_HEADS_FILE)
         index = directory / "model.safetensors.index.json"
         if index.exists():
             try:
