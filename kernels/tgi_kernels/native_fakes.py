@@ -20,7 +20,7 @@ FAKES = {
     "bf16_mm_gated": lambda x, w, n, bias, act: x.new_empty(x.shape[0], n),
     "f32_mm": lambda x, w, n, bias: x.new_empty(x.shape[0], n),
     "int4_gemv": _gemm, "int4_dequant_mm": _gemm, "int4_amx_mm": _gemm, "int4_gemv_int8x": _gemm,
-    "int4_bf16_mm": _gemm, "int8_gemv": _gemm,
+    "int4_bf16_mm": _gemm, "int8_gemv": _gemm, "int8_gemv_int8x": _gemm,
     "rms_norm": lambda x, weight, eps: torch.empty_like(x),
     "add_rms_norm": lambda x, residual, weight, eps: torch.empty_like(x),
     "silu_mul": lambda gate_up: gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2),

@@ -1,6 +1,7 @@
-"""Our int8 GEMV (csrc/int8_gemv.cpp, quant/grouped_int8.py): x @ w.T for
+"""Our int8 GEMVs (csrc/int8_gemv.cpp, quant/grouped_int8.py): x @ w.T for
 w = scale * q with one scale per row and group of columns (GGUF's Q8_0),
-at every row count, shape and dtype."""
+at every row count, shape and dtype; and the one that quantizes x to int8
+(AVX512-VNNI)."""
 
 import pytest
 import torch
@@ -44,8 +45,65 @@ def test_the_layout_holds_each_value_where_the_kernel_reads_it():
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
 def test_gemv_equals_the_dequantized_product(n, k, group, dtype, rows):
     q, scales, x, ref = operands(n, k, group, rows, dtype)
-    y = GroupedInt8.build(q, scales)(x)
+    lanes, s = pack_int8_lanes(q, scales)
+    y = ops.int8_gemv(x, lanes, s, n)
     assert y.shape == (rows, n) and y.dtype == dtype and rel_err(y, ref) < TOLERANCE[dtype]
+
+
+needs_int8x = pytest.mark.skipif(ops is None or not ops.int8_int8x_available(), reason="no AVX512-VNNI here")
+# x rounded to int8 per 32 columns moves each product by up to 1/254 of its run's largest |x|
+# times |w|: measured against the size of the terms, sum |x| |w| (tests/kernels/test_cpu_int4.py).
+INT8X_TOLERANCE = 1e-2
+
+
+@needs_int8x
+@pytest.mark.parametrize("n, k, group", [shape for shape in SHAPES if shape[2] % 32 == 0])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 64])
+def test_gemv_with_int8_activations_stays_near_the_dequantized_product(n, k, group, dtype, rows):
+    q, scales, x, ref = operands(n, k, group, rows, dtype)
+    lanes, s = pack_int8_lanes(q, scales)
+    y = ops.int8_gemv_int8x(x, lanes, s, n)
+    w = q.float() * scales.repeat_interleave(group, dim=1)
+    err = float((y.float() - ref).abs().max() / (x.float().abs() @ w.abs().T).max())
+    assert y.shape == (rows, n) and y.dtype == dtype and err < INT8X_TOLERANCE
+
+
+@needs_int8x
+def test_int8_activations_are_exact_where_x_is_a_multiple_of_its_scale():
+    """Integers up to 127 with 127 in every run of 32 columns quantize to
+    themselves, and weights of -128 and 127 reach both ends of the unsigned
+    shift: only the output's rounding is left."""
+    q, scales, _, _ = operands(40, 128, 32, 1, torch.float32, seed=3)
+    q[:, :8], q[:, 8:16] = -128, 127
+    x = torch.randint(-127, 128, (5, 128), generator=torch.Generator().manual_seed(4)).float()
+    x[:, ::32] = 127
+    lanes, s = pack_int8_lanes(q, scales)
+    y = ops.int8_gemv_int8x(x.half(), lanes, s, 40)
+    assert rel_err(y, x @ (q.float() * scales.repeat_interleave(32, dim=1)).T) < TOLERANCE[torch.float16]
+
+
+@needs_int8x
+def test_each_row_comes_out_the_same_at_every_row_count():
+    """A row's result does not depend on the rows beside it: a sequence's
+    logits are the same whether it decodes alone, in a batch or with drafts."""
+    q, scales, x, _ = operands(64, 576, 32, 19, torch.bfloat16)
+    lanes, s = pack_int8_lanes(q, scales)
+    together = ops.int8_gemv_int8x(x, lanes, s, 64)
+    for r in (0, 7, 8, 18):
+        assert torch.equal(ops.int8_gemv_int8x(x[r:r + 1].contiguous(), lanes, s, 64)[0], together[r])
+
+
+@needs_int8x
+def test_the_head_takes_int8_activations_for_bf16_at_every_row_count_and_float32_exactly():
+    q, scales, x, _ = operands(48, 64, 32, 40, torch.float32)
+    head = GroupedInt8.build(q, scales)
+    assert head.beats_dense(x.bfloat16()) and head.beats_dense(x[:8]) and not head.beats_dense(x)
+    assert torch.equal(head(x.bfloat16()), ops.int8_gemv_int8x(x.bfloat16(), head.q, head.scales, 48))
+    assert torch.equal(head(x[:8]), ops.int8_gemv(x[:8], head.q, head.scales, 48))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        q4, s4, x4, _ = operands(16, 64, 16, 1, torch.bfloat16)
+        ops.int8_gemv_int8x(x4, *pack_int8_lanes(q4, s4), 16)
 
 
 def test_groups_that_are_not_runs_of_four_columns_get_no_gemv():

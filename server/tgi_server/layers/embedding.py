@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 from ..distributed import TensorParallel
 from ..quant.gguf_linear import GGUFFormat
-from ..quant.grouped_int8 import GEMV_MAX_ROWS, GroupedInt8
+from ..quant.grouped_int8 import GroupedInt8
 from ..weights.source import TensorSource
 from .linear import Linear
 
@@ -68,8 +68,8 @@ class LMHead(nn.Module):
     Only the rows that sample or report logprobs reach it: with SmolLM2 the
     head is a fifth of all FLOPs, so it never runs on the whole batch.
     `gemv`: the same rows kept as int8 blocks (a GGUF head stored as Q8_0) for
-    steps of up to GEMV_MAX_ROWS rows, where reading fewer bytes wins (decode
-    at small batches); None elsewhere. `softcap` c (gemma): logits become
+    the steps where its kernel beats the dense GEMM (GroupedInt8.beats_dense);
+    None elsewhere. `softcap` c (gemma): logits become
     c * tanh(logits / c)."""
 
     def __init__(self, weight: torch.Tensor, vocab_size: int, tp: TensorParallel,
@@ -90,7 +90,7 @@ class LMHead(nn.Module):
         return cls(weight, vocab_size, tp, _q8_0_head(weights, name, weight.shape[0], vocab_size, tp), softcap)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and hidden.shape[0] <= GEMV_MAX_ROWS:
+        if self.gemv is not None and self.gemv.beats_dense(hidden):
             logits = self.gemv(hidden)  # [S, rows]
         else:
             logits = self.proj(hidden)  # [S, rows]

@@ -4,8 +4,16 @@ on our C++ GEMV (csrc/int8_gemv.cpp).
 
 It serves the LM head of a GGUF file whose head is Q8_0, as SmolLM2's tied
 token embedding is: at one row it reads 30 MB where the dense bf16 head
-reads 56 MB (0.9 against 2.8 ms, 2 threads, Zen 4). Past GEMV_MAX_ROWS rows
-the dense GEMM wins and the head keeps it for them."""
+reads 56 MB (0.9 against 2.8 ms, 2 threads, Zen 4). Two kernels:
+- bf16 / fp16 activations on AVX512-VNNI: x quantized to int8 per 32
+  columns (llama.cpp's Q8_0 x Q8_0 product) and summed in integers, 64
+  products an instruction. It beats the dense bf16 GEMM at every row count
+  (SmolLM2's head, 2 threads, Zen 4 with AVX512-BF16: 0.8 / 1.6 / 3.2 / 6.2 /
+  12.1 ms at 8 / 16 / 32 / 64 / 128 rows against 1.4 / 2.2 / 4.4 / 8.3 /
+  16.2), so the head takes it for every step.
+- elsewhere, x in float and the int8 values widened: one multiply-add per
+  weight and row, float32 exact to rounding; past GEMV_MAX_ROWS rows the
+  dense GEMM wins and the head keeps it for them."""
 
 import torch
 from torch import nn
@@ -32,8 +40,9 @@ def pack_int8_lanes(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor
 
 
 class GroupedInt8(nn.Module):
-    """x [M, K] (float32, bf16 or fp16; M <= GEMV_MAX_ROWS where it is fast)
-    -> [M, N] in x's dtype, accumulated in float32 from the exact int8 values."""
+    """x [M, K] (float32, bf16 or fp16) -> [M, N] in x's dtype: float32 x
+    times the exact int8 values, or, for bf16 / fp16 x where the CPU has
+    AVX512-VNNI, int8-quantized x summed in int32 (`int8x`)."""
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor):
         super().__init__()
@@ -42,6 +51,7 @@ class GroupedInt8(nn.Module):
         self.q = nn.Parameter(lanes, requires_grad=False)       # [B, K, 16] int8
         self.scales = nn.Parameter(s, requires_grad=False)      # [B, G, 16] float32
         self.ops = native_ops()
+        self.int8x = bool(self.ops.int8_int8x_available()) and (q.shape[1] // scales.shape[1]) % 32 == 0
 
     @classmethod
     def build(cls, q: torch.Tensor, scales: torch.Tensor) -> "GroupedInt8 | None":
@@ -51,5 +61,13 @@ class GroupedInt8(nn.Module):
             return None
         return cls(q, scales)
 
+    def beats_dense(self, x: torch.Tensor) -> bool:
+        """Whether this is faster than the dense GEMM for x [M, K]."""
+        return self._int8x(x) or x.shape[0] <= GEMV_MAX_ROWS
+
+    def _int8x(self, x: torch.Tensor) -> bool:
+        return self.int8x and x.dtype != torch.float32
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.int8_gemv(x.contiguous(), self.q, self.scales, self.out_features)
+        gemv = self.ops.int8_gemv_int8x if self._int8x(x) else self.ops.int8_gemv
+        return gemv(x.contiguous(), self.q, self.scales, self.out_features)
