@@ -168,11 +168,14 @@ void gemv(const T* x, const uint8_t* packed, const T* so, const Int4Shape& s, T*
 // The same product with x quantized to int8 per 32 columns (int4_vnni.h).
 template <typename T>
 void gemv_int8x(const T* x, const uint8_t* packed, const T* so, const Int4Shape& s, T* y) {
-  std::vector<int8_t> xq(s.M * s.K);
-  std::vector<float> dx(s.M * s.K / int4_vnni::kRun);
-  int4_vnni::quantize(x, s.M, s.K, xq.data(), dx.data());
-  const std::vector<float> xsum = group_sums(x, s);
   const int64_t runs = s.K / int4_vnni::kRun;
+  std::vector<int8_t> xq(s.M * s.K);
+  std::vector<float> dx(s.M * runs), xs(s.M * runs);
+  std::vector<int32_t> qs(s.M * runs);
+  int4_vnni::quantize(x, s.M, s.K, xq.data(), dx.data(), xs.data(), qs.data());
+  // x summed over each group (the offsets' term) from its runs' sums.
+  std::vector<float> xsum(s.M * s.G, 0.0f);
+  for (int64_t i = 0; i < s.M * runs; ++i) xsum[i / (runs / s.G)] += xs[i];
   over_blocks(packed, so, s, y, [&](auto mr, auto q, auto sob, auto next_q, auto next_so, int64_t m0, Lanes* out) {
     int4_vnni::block<T, mr.value>(q, sob, next_q, next_so, xq.data() + m0 * s.K, dx.data() + m0 * runs,
                                   xsum.data() + m0 * s.G, s.K, s.G, s.per, out);

@@ -173,10 +173,9 @@ template <typename T>
 void gemv_int8x(const T* x, const int8_t* q, const float* scales, const Int8Shape& s, T* y) {
   const int64_t runs = s.K / kRun;
   std::vector<int8_t> xq(s.M * s.K);
-  std::vector<float> dx(s.M * runs);
-  int4_vnni::quantize(x, s.M, s.K, xq.data(), dx.data());
-  std::vector<int32_t> xqsum(s.M * runs, 0);
-  for (int64_t i = 0; i < s.M * s.K; ++i) xqsum[i / kRun] += xq[i];
+  std::vector<float> dx(s.M * runs), xs(s.M * runs);
+  std::vector<int32_t> xqsum(s.M * runs);
+  int4_vnni::quantize(x, s.M, s.K, xq.data(), dx.data(), xs.data(), xqsum.data());
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 12) / s.K);
   at::parallel_for(0, s.blocks, grain, [&](int64_t begin, int64_t end) {
     Lanes out[kMaxRows];
