@@ -44,7 +44,7 @@ from .http import gather_limited, launched, load
 from .machine import dtype_name, serving_dtype
 from .medusa_heads import HEADS as MEDUSA_HEADS, medusa_dir
 
-# 1 + 7 rows fill the compiled decode step of 8 rows and the int8 LM head's GEMV (up to 8 rows).
+# 1 + 7 rows fill the compiled decode step of 8 rows.
 SPECULATE = 7
 DRAFT_SPECULATE = 4
 COPY_NEW_TOKENS = 200

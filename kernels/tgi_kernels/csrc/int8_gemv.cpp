@@ -81,10 +81,12 @@ void gemv_block(const int8_t* q, const float* scales, const int8_t* next_q, cons
   for (int m = 0; m < MR; ++m) out[m] = total[m];
 }
 
-template <typename T>
-void gemv(const T* x, const int8_t* q, const float* scales, const Int8Shape& s, T* y) {
-  std::vector<float> xf(s.M * s.K);  // x in float, once for every block
-  for (int64_t i = 0; i < s.M * s.K; ++i) xf[i] = ld(x[i]);
+// Calls block(mr, qb, sb, next_q, m0, out) for every block of 16 output
+// rows (qb its int8 values, sb its scales, next_q the next block's, to
+// prefetch) and every kMaxRows rows of x (mr: their number, a constant),
+// then stores out into y.
+template <typename T, typename F>
+void over_blocks(const int8_t* q, const float* scales, const Int8Shape& s, T* y, F&& block) {
   // A block is K * 16 bytes: at least ~64 KiB of them a thread.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 12) / s.K);
   at::parallel_for(0, s.blocks, grain, [&](int64_t begin, int64_t end) {
@@ -95,12 +97,19 @@ void gemv(const T* x, const int8_t* q, const float* scales, const Int8Shape& s, 
       const int8_t* next_q = b + 1 < s.blocks ? qb + s.K * kLanes : qb;
       for (int64_t m0 = 0; m0 < s.M; m0 += kMaxRows) {
         const int rows = int(std::min<int64_t>(kMaxRows, s.M - m0));
-        with_rows<kMaxRows>(rows, [&](auto mr) {
-          gemv_block<mr.value>(qb, scales + b * s.G * kLanes, next_q, xf.data() + m0 * s.K, s, out);
-        });
+        with_rows<kMaxRows>(rows, [&](auto mr) { block(mr, qb, scales + b * s.G * kLanes, next_q, m0, out); });
         for (int m = 0; m < rows; ++m) store(y + (m0 + m) * s.N + n0, out[m], valid);
       }
     }
+  });
+}
+
+template <typename T>
+void gemv(const T* x, const int8_t* q, const float* scales, const Int8Shape& s, T* y) {
+  std::vector<float> xf(s.M * s.K);  // x in float, once for every block
+  for (int64_t i = 0; i < s.M * s.K; ++i) xf[i] = ld(x[i]);
+  over_blocks(q, scales, s, y, [&](auto mr, auto qb, auto sb, auto next_q, int64_t m0, Lanes* out) {
+    gemv_block<mr.value>(qb, sb, next_q, xf.data() + m0 * s.K, s, out);
   });
 }
 
@@ -176,22 +185,9 @@ void gemv_int8x(const T* x, const int8_t* q, const float* scales, const Int8Shap
   std::vector<float> dx(s.M * runs), xs(s.M * runs);
   std::vector<int32_t> xqsum(s.M * runs);
   int4_vnni::quantize(x, s.M, s.K, xq.data(), dx.data(), xs.data(), xqsum.data());
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 12) / s.K);
-  at::parallel_for(0, s.blocks, grain, [&](int64_t begin, int64_t end) {
-    Lanes out[kMaxRows];
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kLanes, valid = std::min(kLanes, s.N - n0);
-      const int8_t* qb = q + b * s.K * kLanes;
-      const int8_t* next_q = b + 1 < s.blocks ? qb + s.K * kLanes : qb;
-      for (int64_t m0 = 0; m0 < s.M; m0 += kMaxRows) {
-        const int rows = int(std::min<int64_t>(kMaxRows, s.M - m0));
-        with_rows<kMaxRows>(rows, [&](auto mr) {
-          vnni_block<mr.value>(qb, scales + b * s.G * kLanes, next_q, xq.data() + m0 * s.K, dx.data() + m0 * runs,
-                               xqsum.data() + m0 * runs, s, out);
-        });
-        for (int m = 0; m < rows; ++m) store(y + (m0 + m) * s.N + n0, out[m], valid);
-      }
-    }
+  over_blocks(q, scales, s, y, [&](auto mr, auto qb, auto sb, auto next_q, int64_t m0, Lanes* out) {
+    vnni_block<mr.value>(qb, sb, next_q, xq.data() + m0 * s.K, dx.data() + m0 * runs, xqsum.data() + m0 * runs, s,
+                         out);
   });
 }
 #endif
