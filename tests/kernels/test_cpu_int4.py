@@ -104,6 +104,20 @@ def test_int8_activations_are_exact_where_x_is_a_multiple_of_its_scale():
 
 
 @needs_int8x
+def test_int8_activations_give_each_row_the_same_result_at_every_row_count():
+    """A row's output does not depend on the rows beside it (its products sum
+    exactly in int32, then in float in one order): a prompt's K/V is the same
+    whether it is prefilled whole or after a prefix cache hit, and a
+    sequence's logits the same alone, in a batch or with drafts."""
+    m = matrix(64, 1536, 64)
+    x, packed, so, _ = operands(m, torch.bfloat16, 70)
+    together = ops.int4_gemv_int8x(x, packed, so, 64)
+    for r in (0, 7, 8, 69):
+        assert torch.equal(ops.int4_gemv_int8x(x[r:r + 1].contiguous(), packed, so, 64)[0], together[r])
+    assert torch.equal(ops.int4_gemv_int8x(x[:9].contiguous(), packed, so, 64), together[:9])
+
+
+@needs_int8x
 def test_quant_linear_takes_int8_activations_unless_float32_was_asked_for():
     """bf16 activations, or float32 ones whose kernel dtype is bf16 (the shard's
     default for a float32 model), go to int8; float32 asked for stays exact."""
