@@ -237,4 +237,4 @@ def test_groups_that_are_not_runs_of_32_keep_the_torch_paths():
 
 
 def test_gemv_limits_cover_each_path():
-    assert set(INT4_GEMV_MAX_ROWS) == {"amx", "bf16_gemm", "int8x", *DTYPES}
+    assert set(INT4_GEMV_MAX_ROWS) == {"amx", "bf16_gemm_int8x", "bf16_gemm", "int8x", *DTYPES}

@@ -92,9 +92,9 @@ inline RunStats quantize_run(const T* src, int8_t* dst) {
 
 // x [M, K] -> xq [M, K] int8 (each 8 columns in slot order), and per row
 // and run of 32 columns ([M, K / 32] each): dx, the sum of x (xs) and the
-// sum of xq (qs). On the calling thread for a few rows: done serially, one
-// value at a time, this took ~20 us of a 49 us call at 8 rows of SmolLM2's
-// down projection (K = 1536).
+// sum of xq (qs). Past 2,048 runs the threads share the rows; fewer stay on
+// the calling thread. (Done one value at a time, serially, this took ~20 us
+// of a 49 us call at 8 rows of SmolLM2's down projection, K = 1536.)
 template <typename T>
 void quantize(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs, int32_t* qs) {
   // Runs are contiguous in x: run i of the whole [M, K] is row i / (K / 32)'s.

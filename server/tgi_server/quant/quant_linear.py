@@ -67,18 +67,19 @@ LANES, LANE_GROUP = 16, 32
 # (emulated on Zen 4). On a real 2-core Zen 1 (AVX2, float32 served) the dequantized GEMM's
 # at::mm (MKL) is slow at few rows: SmolLM2's decode step took 292-326 / 467-530 ms at batch
 # 32 / 64 past 16 or 32 rows against 204 / 398 ms with the float GEMV up to 64 rows.
-# bf16 with AVX512-BF16 ("bf16_gemm": int8-activation GEMV, on AVX512-VNNI there, against blocks
-# dequantized into the bf16 GEMM's tiles), 2 threads, Zen 4, the 120 matrices cold: 7.1 / 13.2 /
-# 25.0 / 48.1 / 210 / 857 ms against 12.9 / 20.4 / 35.1 / 64.7 / 249 / 998 at 16 / 32 / 64 / 128 /
-# 512 / 2048 rows: vpdpbusd does twice vdpbf16ps's products an instruction, and the GEMV takes
-# every step up to a prefill of 4096 tokens. (Before x was quantized a vector at a time, 46.3
-# against 42.4 ms at 64 rows, and the limit was 48.)
+# bf16 with AVX512-BF16 ("bf16_gemm_int8x": the int8-activation GEMV, on AVX512-VNNI there, against
+# blocks dequantized into the bf16 GEMM's tiles), 2 threads, Zen 4, the 120 matrices cold: 7.1 /
+# 13.2 / 25.0 / 48.1 / 210 / 857 ms against 12.9 / 20.4 / 35.1 / 64.7 / 249 / 998 at 16 / 32 / 64 /
+# 128 / 512 / 2048 rows: vpdpbusd does twice vdpbf16ps's products an instruction, and the GEMV
+# takes every step up to a prefill of 4096 tokens. Before x was quantized a vector at a time it
+# took 46.3 against 42.4 ms at 64 rows and the limit was 48: kept ("bf16_gemm") for a CPU with
+# AVX512-BF16 but without AVX512-VBMI (Cooper Lake), whose GEMV is the float one.
 # A float32 layer's int8-activation GEMV ("int8x") keeps up with the dequantized GEMM far
 # longer: on a 2-core Zen 3 (AVX2, vpmaddubsw) SmolLM2's [1536, 576] / [576, 1536] / [3072, 576]
 # took 2.1 / 2.3 / 4.7 ms at 128 rows against 3.8 / 3.0 / 9.3 dequantized (MKL), 8.6 / 9.0 /
 # 12.9 against 10.9 / 8.9 / 20.6 at 512, 66 against 81 ms summed at 1024, about even at 2048.
-INT4_GEMV_MAX_ROWS = {"amx": 5, "bf16_gemm": 4096, "int8x": 1024, torch.bfloat16: 64, torch.float16: 16,
-                      torch.float32: 64}
+INT4_GEMV_MAX_ROWS = {"amx": 5, "bf16_gemm_int8x": 4096, "bf16_gemm": 48, "int8x": 1024, torch.bfloat16: 64,
+                      torch.float16: 16, torch.float32: 64}
 # Rows up to which the packed int4 kernel beats unpack + dense GEMM, measured at SmolLM2's
 # shapes ([1536, 576] and [576, 1536], 2 threads, AVX-512 and AVX2 dispatch alike): bf16 int4
 # takes 0.66 ms at 128 rows against 0.6 ms to unpack + 0.3 dense; fp32 and fp16 int4 are
@@ -192,7 +193,7 @@ class QuantLinear(nn.Module):
             # An asked-for float32 stays exact; bf16 / fp16 activations are themselves rounded
             int8x = kernel_dtype != torch.float32 and self.native.int4_int8x_available()
             self.gemv = self.native.int4_gemv_int8x if int8x else self.native.int4_gemv
-            path = ("amx" if self.amx else "bf16_gemm" if self.bf16_gemm
+            path = ("amx" if self.amx else ("bf16_gemm_int8x" if int8x else "bf16_gemm") if self.bf16_gemm
                     else "int8x" if int8x and dtype == torch.float32 else dtype)
             self.gemv_max_rows = INT4_GEMV_MAX_ROWS[path]
             return True
