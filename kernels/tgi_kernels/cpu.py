@@ -69,10 +69,12 @@ def varlen_prefill(
 
 def rotary_store_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, num_heads: int,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                    k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                    k_scale: float = 1.0, v_scale: float = 1.0, key_rotation: bool = False) -> None:
     """In place: rotates the query and key heads of qkv [T, H + 2 KVH, D]
     (x * cos + roll(x, D/2) * signed_sin, cos/signed_sin [T, 1, D] in qkv's
-    dtype), then writes its key and value heads into the caches
-    [num_blocks, block_size, KVH, D] (qkv's dtype, or float8 holding key /
-    k_scale and value / v_scale) at slot_mapping [T] int64."""
-    native_ops().rotary_store_kv(qkv, cos, signed_sin, num_heads, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    dtype), turns them by fp8.key_rotation(D) where key_rotation (a
+    Walsh-Hadamard transform, not a matmul), then writes its key and value
+    heads into the caches [num_blocks, block_size, KVH, D] (qkv's dtype, or
+    float8 holding key / k_scale and value / v_scale) at slot_mapping [T] int64."""
+    native_ops().rotary_store_kv(qkv, cos, signed_sin, num_heads, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+                                 key_rotation)

@@ -40,23 +40,29 @@ def store_kv(
     v_flat.index_copy_(0, slot_mapping, value)
 
 
-def fuses_rotary(backend: str | None) -> bool:
-    """True when `backend` rotates and stores in one pass (rotary_store_kv)."""
-    return backend in ("cpu", "triton")
+def fuses_rotary(backend: str | None, key_rotation: bool = False) -> bool:
+    """True when `backend` rotates and stores in one pass (rotary_store_kv),
+    turning queries and keys by fp8.key_rotation too where `key_rotation`."""
+    return backend == "cpu" if key_rotation else backend in ("cpu", "triton")
 
 
 def rotary_store_kv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, num_heads: int,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                    k_scale: float = 1.0, v_scale: float = 1.0, backend: str = "cpu") -> None:
+                    k_scale: float = 1.0, v_scale: float = 1.0, backend: str = "cpu",
+                    key_rotation: bool = False) -> None:
     """The rotary embedding and store_kv in one pass, for backends where
     fuses_rotary: rotates the query and key heads of qkv [T, H + 2 KVH, D]
     (contiguous) in place (x * cos + roll(x, D/2) * signed_sin; cos/signed_sin
     [T, 1, D]), then stores its key and value heads at slot_mapping [T]
     (valid, distinct slots). The cache in qkv's dtype, or float8 (as store_kv
-    writes it). One kernel launch on triton (CUDA), where the torch path takes
+    writes it). key_rotation (fuses_rotary(backend, True)): the rotated heads
+    are then multiplied by fp8.key_rotation(D)'s matrix, in qkv and in the
+    cache. One kernel launch on triton (CUDA), where the torch path takes
     five: this runs in every layer of every step."""
     if backend == "triton":
+        assert not key_rotation, "triton's rotary_store_kv does not turn keys (fuses_rotary)"
         triton_backend.rotary_store_kv(qkv, cos, signed_sin, num_heads, k_cache, v_cache, slot_mapping,
                                        k_scale, v_scale)
         return
-    cpu.rotary_store_kv(qkv, cos, signed_sin, num_heads, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    cpu.rotary_store_kv(qkv, cos, signed_sin, num_heads, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+                        key_rotation)

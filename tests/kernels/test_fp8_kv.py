@@ -1,6 +1,7 @@
 """float8 KV caches: every backend gives
 the reference's attention over the same cache widened to the query's dtype,
-and the stores write what to_cache_dtype says (scaled, saturated)."""
+and the stores write what to_cache_dtype says (scaled, saturated); keys
+turned by key_rotation keep q.k and lose less of it to float8."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from .kernel_cases import make_case, make_decode_case
 from .test_attention import CUDA_BACKENDS, needs_cuda
 from tgi_kernels import FP8_KV_DTYPES, available_backends, paged_decode, rotary_store_kv, store_kv, varlen_prefill
-from tgi_kernels.fp8 import to_cache_dtype
+from tgi_kernels.fp8 import key_rotation, to_cache_dtype
 
 CPU = torch.device("cpu")
 # triton's interpreter runs its own fp8 case below (too slow for the product)
@@ -75,6 +76,39 @@ def test_to_cache_dtype_scales_and_saturates(fp8):
     assert stored.tolist() == [0.0, 0.5, -1.5, top, -top, top]
 
 
+@pytest.mark.parametrize("head_dim, blocks, factor", [(64, 1, 1.0), (128, 1, 2.0), (256, 1, 1.0), (96, 3, 2.0),
+                                                    (80, 5, 1.0)])
+def test_key_rotation_keeps_dot_products_up_to_its_factor(head_dim, blocks, factor):
+    """R R^T = factor I exactly, with entries of one power of two, the same in
+    every dtype; each block of head_dim / blocks channels is mixed whole."""
+    rotation, got_factor = key_rotation(head_dim, torch.float64, CPU)
+    assert got_factor == factor
+    assert torch.equal(rotation @ rotation.T, factor * torch.eye(head_dim, dtype=torch.float64))
+    magnitude = rotation[rotation != 0].abs().unique()
+    assert len(magnitude) == 1 and magnitude == 2.0 ** torch.log2(magnitude).round()
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert torch.equal(key_rotation(head_dim, dtype, CPU)[0].double(), rotation)
+    assert ((rotation != 0).sum(dim=1) == head_dim // blocks).all()
+
+
+@FP8
+def test_turned_keys_keep_scores_through_fp8(fp8):
+    """Keys and queries with a few large channels in common (as language
+    models' are after RoPE): rounded to float8 as they are, the large
+    products carry the format's relative error whole; turned, each channel
+    errs a little. Scores from the turned cache err several times less."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(64, 64, generator=gen), torch.randn(512, 64, generator=gen)
+    q[:, [3, 40]] *= 12.0
+    k[:, [3, 40]] *= 12.0
+    rotation, factor = key_rotation(64, torch.float32, CPU)
+    exact = q @ k.T
+    plain = q @ to_cache_dtype(k, fp8).float().T
+    turned = (q @ rotation) @ to_cache_dtype(k @ rotation, fp8).float().T / factor
+    assert torch.allclose((q @ rotation) @ (k @ rotation).T / factor, exact, atol=1e-3)
+    assert (turned - exact).abs().mean() * 3 < (plain - exact).abs().mean()
+
+
 @pytest.mark.parametrize("backend", ["sdpa"] + (["triton"] if "triton" in available_backends(CPU) else []))
 @FP8
 def test_store_kv_writes_scaled_fp8(backend, fp8):
@@ -115,6 +149,36 @@ def test_rotary_store_kv_writes_what_the_float_cache_holds_in_fp8(fp8, dtype):
     assert torch.equal(qkv, rotated)  # the query and key heads rotate as before
     assert torch.equal(k8.view(torch.uint8), to_cache_dtype(k_ref, fp8, 0.25).view(torch.uint8))
     assert torch.equal(v8.view(torch.uint8), to_cache_dtype(v_ref, fp8, 2.0).view(torch.uint8))
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the C++ kernels did not build here")
+@pytest.mark.parametrize("dim", [64, 96, 128])
+@QUERY_DTYPES
+def test_rotary_store_kv_turns_queries_and_keys_by_key_rotation(dim, dtype):
+    """With key_rotation the fused kernel's rotated query and key heads are
+    then multiplied by key_rotation(dim)'s matrix (its Walsh-Hadamard
+    transform, against the unfused path's matmul: the same to rounding), and
+    the cache holds the turned keys; values pass as they are."""
+    gen = torch.Generator().manual_seed(dim)
+    tokens, heads, kv_heads = 5, 6, 2
+    qkv = (torch.randn(tokens, heads + 2 * kv_heads, dim, generator=gen) * 4).to(dtype)
+    angle = torch.randn(tokens, 1, dim // 2, generator=gen)
+    cos = torch.cat([angle.cos(), angle.cos()], -1).to(dtype)
+    sin = torch.cat([-angle.sin(), angle.sin()], -1).to(dtype)
+    slots = torch.tensor([3, 0, 9, 12, 4])
+    rotated = qkv.clone()
+    rotary_store_kv(rotated, cos, sin, heads, torch.zeros(4, 4, kv_heads, dim, dtype=dtype),
+                    torch.zeros(4, 4, kv_heads, dim, dtype=dtype), slots)
+    want = rotated[:, :heads + kv_heads] @ key_rotation(dim, dtype, CPU)[0]
+    k8, v8 = (torch.zeros(4, 4, kv_heads, dim, dtype=torch.float8_e4m3fn) for _ in range(2))
+    rotary_store_kv(qkv, cos, sin, heads, k8, v8, slots, key_rotation=True)
+    torch.testing.assert_close(qkv[:, :heads + kv_heads], want, **TOLERANCE[dtype])
+    assert torch.equal(qkv[:, heads + kv_heads:], rotated[:, heads + kv_heads:])
+    k_flat, v_flat = k8.view(-1, kv_heads, dim), v8.view(-1, kv_heads, dim)
+    assert torch.equal(k_flat[slots].view(torch.uint8),
+                       to_cache_dtype(qkv[:, heads:heads + kv_heads], torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(v_flat[slots].view(torch.uint8),
+                       to_cache_dtype(qkv[:, heads + kv_heads:], torch.float8_e4m3fn).view(torch.uint8))
 
 
 @pytest.mark.skipif("triton" not in available_backends(CPU), reason="triton is not installed")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tgi_kernels import select_backend
+from tgi_kernels import key_rotation, select_backend
 from tgi_proto import pb
 from tgi_server.config import ShardConfig
 from tgi_server.layers.attention import Attention
@@ -81,14 +81,17 @@ def _scaled_checkpoint(tiny: Path, out: Path, scales: dict[str, float]) -> Path:
 
 def test_checkpoint_scales_are_read_and_applied(tiny, tmp_path):
     """k_scale 1/2 and v_scale 1/4 are powers of two: the cache holds the same
-    mantissas as without them, so the logits barely move when they are
+    mantissas as with scales of 1, so the logits barely move when they are
     applied right. kv_scale alone serves both: at 3 the rounding differs but
-    drifts from the float cache as much as without a scale (a scale dropped
+    drifts from the float cache as much as with scales of 1 (a scale dropped
     on either side would scale the scores or outputs by 3: a drift of whole
-    units)."""
+    units). Keys under a checkpoint's scale are stored as they are."""
     ids = list(range(3, 99))
     exact = chunked_logprobs(runner_for(str(tiny), None), ids, chunk=4)
-    unscaled = chunked_logprobs(runner_for(str(tiny), "fp8_e4m3fn"), ids, chunk=4)
+    ones = runner_for(str(_scaled_checkpoint(tiny, tmp_path / "ones", {"k_scale": 1.0, "v_scale": 1.0})),
+                      "fp8_e4m3fn")
+    assert all(m.key_rotation is None for m in ones.model.modules() if isinstance(m, Attention))
+    unscaled = chunked_logprobs(ones, ids, chunk=4)
     runner = runner_for(str(_scaled_checkpoint(tiny, tmp_path / "pow2", {"k_scale": 0.5, "v_scale": 0.25})),
                         "fp8_e4m3fn")
     assert {m.kv_scales for m in runner.model.modules() if isinstance(m, Attention)} == {(0.5, 0.25)}
@@ -100,6 +103,28 @@ def test_checkpoint_scales_are_read_and_applied(tiny, tmp_path):
     # the same checkpoint with a 16-bit cache ignores the scales
     plain = runner_for(str(_scaled_checkpoint(tiny, tmp_path / "plain", {"kv_scale": 3.0})), None)
     assert {m.kv_scales for m in plain.model.modules() if isinstance(m, Attention)} == {(1.0, 1.0)}
+
+
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_turned_keys_give_the_same_logprobs(tmp_path, head_dim):
+    """A float8 cache without checkpoint scales holds keys turned by
+    key_rotation, and queries turn alike; in a float32 cache (where nothing is
+    rounded) the same turn leaves every backend's logprobs as they were, its
+    factor 2 (head_dim 32) folded into the softmax scale."""
+    path = save_tiny_model("llama", tmp_path / "llama", head_dim=head_dim)
+    layers = [m for m in runner_for(str(path), "fp8_e5m2").model.modules() if isinstance(m, Attention)]
+    assert all(torch.equal(m.key_rotation, key_rotation(head_dim, torch.float32, torch.device("cpu"))[0])
+               for m in layers)
+    ids = list(range(3, 99))
+    backends = ["reference", "sdpa"] + (["cpu"] if select_backend(torch.device("cpu")) == "cpu" else [])
+    for backend in backends:
+        plain = runner_for(str(path), None, backend=backend)
+        want = chunked_logprobs(plain, ids, chunk=4)
+        for m in plain.model.modules():
+            if isinstance(m, Attention):
+                m.key_rotation, factor = key_rotation(head_dim, torch.float32, torch.device("cpu"))
+                m.scale /= factor
+        torch.testing.assert_close(chunked_logprobs(plain, ids, chunk=4), want, atol=1e-4, rtol=0, msg=backend)
 
 
 def test_a_bad_checkpoint_scale_is_a_checkpoint_error(tiny, tmp_path):

@@ -261,23 +261,51 @@ void decode_heads_bf16(const c10::BFloat16* q, const c10::BFloat16* k_cache, con
 }
 #endif
 
+// x[0..D) @ key_rotation(D) (tgi_kernels/fp8.py), in place: the
+// Walsh-Hadamard transform of each block of n = D & -D values (Sylvester's
+// order, the butterflies of width below n never cross a block), times
+// 2^-floor(log2(n) / 2). n log2(n) adds a block against a matmul's n^2.
+template <typename A>
+inline void turn(A* x, int64_t D) {
+  const int64_t n = D & -D;
+  for (int64_t len = 1; len < n; len <<= 1) {
+    for (int64_t i = 0; i < D; i += 2 * len) {
+#pragma omp simd
+      for (int64_t j = i; j < i + len; ++j) {
+        const A a = x[j], b = x[j + len];
+        x[j] = a + b;
+        x[j + len] = a - b;
+      }
+    }
+  }
+  const A scale = A(1) / A(int64_t(1) << ((63 - __builtin_clzll(uint64_t(n))) / 2));
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) x[d] *= scale;
+}
+
 // One token of rotary_store_kv: x [H + 2 KVH, D] rotated in place for the
-// first H + KVH heads; its key and value heads written to the token's slots
-// (divided by their scales and rounded where C is fp8).
+// first H + KVH heads (and turned by key_rotation where `turned`); its key
+// and value heads written to the token's slots (divided by their scales and
+// rounded where C is fp8).
 template <typename T, typename C>
 void rotary_store_row(T* x, const T* c, const T* s, int64_t num_heads, int64_t KVH, int64_t D, C* k_slot,
-                      C* v_slot, float k_inv_scale, float v_inv_scale) {
+                      C* v_slot, float k_inv_scale, float v_inv_scale, bool turned) {
   using A = acc_t<T>;
   const int64_t half = D / 2;
-  A row[512];  // head_dim <= 512, checked by the caller
+  A row[512], out[512];  // head_dim <= 512, checked by the caller
   for (int64_t h = 0; h < num_heads + KVH; ++h) {
     T* r = x + h * D;
     for (int64_t d = 0; d < D; ++d) row[d] = ld(r[d]);
 #pragma omp simd
     for (int64_t d = 0; d < half; ++d) {
-      r[d] = st<T>(row[d] * ld(c[d]) + row[d + half] * ld(s[d]));
-      r[d + half] = st<T>(row[d + half] * ld(c[d + half]) + row[d] * ld(s[d + half]));
+      out[d] = row[d] * ld(c[d]) + row[d + half] * ld(s[d]);
+      out[d + half] = row[d + half] * ld(c[d + half]) + row[d] * ld(s[d + half]);
     }
+    if (turned) {  // the rotated row rounded to T first, as the unfused path's
+      for (int64_t d = 0; d < D; ++d) out[d] = ld(st<T>(out[d]));
+      turn(out, D);
+    }
+    for (int64_t d = 0; d < D; ++d) r[d] = st<T>(out[d]);
   }
   const T* k = x + num_heads * D;
   narrow(k, k_slot, KVH * D, k_inv_scale);
@@ -388,9 +416,11 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
 // [num_blocks, block_size, KVH, D] at slot_mapping [T] int64. Caches in
 // fp8 hold key / k_scale and value / v_scale, rounded to nearest even and
 // saturated; caches in qkv's dtype hold them as they are (scales 1).
+// key_rotation: the rotated query and key heads are then turned by
+// key_rotation(D) (tgi_kernels/fp8.py), keys stored turned.
 void rotary_store_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slot_mapping, double k_scale,
-                     double v_scale) {
+                     double v_scale, bool key_rotation) {
   TORCH_CHECK(qkv.is_contiguous() && qkv.dim() == 3, "qkv must be a contiguous [T, H + 2 KVH, D] tensor");
   const int64_t T = qkv.size(0), heads = qkv.size(1), D = qkv.size(2), KVH = (heads - num_heads) / 2;
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D &&
@@ -420,7 +450,7 @@ void rotary_store_kv(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
       at::parallel_for(0, T, grain_rows(heads * D), [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t)
           rotary_store_row(x + t * heads * D, cp + t * D, sn + t * D, num_heads, KVH, D, kc + sp[t] * KVH * D,
-                           vc + sp[t] * KVH * D, k_inv, v_inv);
+                           vc + sp[t] * KVH * D, k_inv, v_inv, key_rotation);
       });
     });
   });
@@ -432,7 +462,7 @@ TORCH_LIBRARY_FRAGMENT(tgi, m) {
   m.def("paged_decode(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "float scale, int sliding_window, float softcap=0.0) -> Tensor");
   m.def("rotary_store_kv(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, Tensor(b!) k_cache, "
-        "Tensor(c!) v_cache, Tensor slot_mapping, float k_scale=1.0, float v_scale=1.0) -> ()");
+        "Tensor(c!) v_cache, Tensor slot_mapping, float k_scale=1.0, float v_scale=1.0, bool key_rotation=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tgi, CPU, m) {

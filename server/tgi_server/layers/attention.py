@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from tgi_kernels import (DecodeMeta, PrefillMeta, fuses_rotary, paged_decode, rotary_store_kv, store_kv,
-                         varlen_prefill)
+from tgi_kernels import (DecodeMeta, PrefillMeta, fuses_rotary, key_rotation, paged_decode, rotary_store_kv,
+                         store_kv, varlen_prefill)
 
 from ..distributed import TensorParallel
 from ..weights.errors import CheckpointError
@@ -19,6 +19,9 @@ from .rotary import apply_rotary
 
 if TYPE_CHECKING:
     from ..models.config import ModelConfig
+
+# A layer's KV cache scales in fp8 checkpoints, the first present of each.
+K_SCALE_NAMES, V_SCALE_NAMES = ("k_scale", "kv_scale"), ("v_scale", "kv_scale")
 
 
 @dataclass(frozen=True)
@@ -69,12 +72,16 @@ class Attention(nn.Module):
     head's first rotary_dim dims only. softcap (gemma2): scores capped softly.
     kv_scales (k_scale, v_scale): the cache holds key / k_scale and value /
     v_scale (a float8 cache, tgi_kernels.fp8); the kernels read what it
-    holds, so k_scale joins the softmax scale and v_scale the output."""
+    holds, so k_scale joins the softmax scale and v_scale the output.
+    key_rotation (R, factor), a float8 cache's layer without a checkpoint
+    k_scale (tgi_kernels.key_rotation): queries and keys are turned by R after
+    RoPE, so the cache holds k @ R, and 1 / factor joins the softmax scale."""
 
     def __init__(self, qkv: Linear, o_proj: Linear, layer_idx: int, num_heads: int,
                  num_kv_heads: int, head_dim: int, sliding_window: int, scale: float | None = None,
                  q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None, rotary_dim: int | None = None,
-                 softcap: float = 0.0, kv_scales: tuple[float, float] = (1.0, 1.0)):
+                 softcap: float = 0.0, kv_scales: tuple[float, float] = (1.0, 1.0),
+                 key_rotation: tuple[torch.Tensor, float] | None = None):
         super().__init__()
         self.qkv, self.o_proj = qkv, o_proj
         self.layer_idx = layer_idx
@@ -86,6 +93,10 @@ class Attention(nn.Module):
         self.softcap = softcap  # > 0: scores capped softly (gemma2)
         self.kv_scales = kv_scales
         self.kv_scaled = kv_scales != (1.0, 1.0)
+        # [head_dim, head_dim] where the keys are stored turned, else None
+        self.register_buffer("key_rotation", None if key_rotation is None else key_rotation[0], persistent=False)
+        if key_rotation is not None:
+            self.scale /= key_rotation[1]
 
     @classmethod
     def load(cls, weights: TensorSource, prefix: str, layer_idx: int, heads: HeadShard, config: "ModelConfig",
@@ -94,7 +105,10 @@ class Attention(nn.Module):
         q/k/v column-parallel by head, o_proj row-parallel; q/k norms whole
         (they act on one head at a time). The KV cache scales are read where
         weights.kv_scales (a float8 cache): `k_scale` and `v_scale`, or one
-        `kv_scale` for both, as fp8 checkpoints store them; 1.0 without."""
+        `kv_scale` for both, as fp8 checkpoints store them; 1.0 without. Where
+        the checkpoint has no k_scale the keys are stored turned (key_rotation);
+        where it has one, they are not: it was measured on keys as they are,
+        which turned ones could exceed."""
         head_dim = config.head_dim
         q_rows = (heads.q_start * head_dim, (heads.q_start + heads.num_heads) * head_dim)
         kv_rows = (heads.kv_start * head_dim, (heads.kv_start + heads.num_kv_heads) * head_dim)
@@ -111,9 +125,12 @@ class Attention(nn.Module):
         norms = ((RMSNorm.load(weights, f"{prefix}.q_norm", config.rms_norm_eps, config.norm_offset),
                   RMSNorm.load(weights, f"{prefix}.k_norm", config.rms_norm_eps, config.norm_offset))
                  if config.qk_norm else (None, None))
+        kv_scales = _kv_scales(weights, prefix) if weights.kv_scales else (1.0, 1.0)
+        measured = any(weights.has(f"{prefix}.{name}") for name in K_SCALE_NAMES)
+        rotation = key_rotation(head_dim, weights.dtype, weights.device) if weights.kv_scales and not measured else None
         return cls(qkv, o_proj, layer_idx, heads.num_heads, heads.num_kv_heads, head_dim,
                    config.layers[layer_idx].sliding_window, config.attn_scale, *norms, config.rotary_dim,
-                   config.attn_softcap, _kv_scales(weights, prefix) if weights.kv_scales else (1.0, 1.0))
+                   config.attn_softcap, kv_scales, rotation)
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv [T, heads + 2 kv_heads, D] -> the same with q and k heads normed
@@ -134,22 +151,23 @@ class Attention(nn.Module):
             qkv = self._norm_heads(qkv)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         k_scale, v_scale = self.kv_scales
-        if cos_sin is not None and self.rotary_dim is None and fuses_rotary(ctx.backend):
+        turned = self.key_rotation is not None
+        if cos_sin is not None and self.rotary_dim is None and fuses_rotary(ctx.backend, turned):
             qkv = qkv.contiguous()  # a no-op after a GEMM; rotated in place
-            rotary_store_kv(qkv, *cos_sin, heads, k_cache, v_cache, ctx.slot_mapping, k_scale, v_scale, ctx.backend)
+            rotary_store_kv(qkv, *cos_sin, heads, k_cache, v_cache, ctx.slot_mapping, k_scale, v_scale, ctx.backend,
+                            turned)
             q = qkv[:, :heads]
             k = None  # sliced below only where a prefill reads it
         else:
-            if cos_sin is None:
-                q, k = qkv[:, :heads], qkv[:, heads:heads + kv_heads]
-            else:  # q and k rotate together: [T, heads + kv_heads, head_dim]
-                qk = qkv[:, :heads + kv_heads]
-                if self.rotary_dim is None:
-                    qk = apply_rotary(qk, *cos_sin)
-                else:  # cos/sin [T, 1, rotary_dim]: the rest of each head passes through
-                    rd = self.rotary_dim
-                    qk = torch.cat([apply_rotary(qk[..., :rd], *cos_sin), qk[..., rd:]], dim=-1)
-                q, k = qk[:, :heads], qk[:, heads:]
+            qk = qkv[:, :heads + kv_heads]  # q and k rotate together: [T, heads + kv_heads, head_dim]
+            if cos_sin is not None and self.rotary_dim is None:
+                qk = apply_rotary(qk, *cos_sin)
+            elif cos_sin is not None:  # cos/sin [T, 1, rotary_dim]: the rest of each head passes through
+                rd = self.rotary_dim
+                qk = torch.cat([apply_rotary(qk[..., :rd], *cos_sin), qk[..., rd:]], dim=-1)
+            if turned:
+                qk = qk @ self.key_rotation
+            q, k = qk[:, :heads], qk[:, heads:]
             store_kv(k, qkv[:, heads + kv_heads:], k_cache, v_cache, ctx.slot_mapping, ctx.backend, k_scale, v_scale)
 
         nd = ctx.num_decode_tokens
@@ -185,4 +203,4 @@ def _kv_scales(weights: TensorSource, prefix: str) -> tuple[float, float]:
         if not 0 < value < float("inf"):
             raise CheckpointError(f"{name} is {value}: a KV cache scale must be positive and finite")
         return value
-    return scale("k_scale", "kv_scale"), scale("v_scale", "kv_scale")
+    return scale(*K_SCALE_NAMES), scale(*V_SCALE_NAMES)
