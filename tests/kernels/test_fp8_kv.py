@@ -8,7 +8,8 @@ import torch
 
 from .kernel_cases import make_case, make_decode_case
 from .test_attention import CUDA_BACKENDS, needs_cuda
-from tgi_kernels import FP8_KV_DTYPES, available_backends, paged_decode, rotary_store_kv, store_kv, varlen_prefill
+from tgi_kernels import (FP8_KV_DTYPES, available_backends, build_decode_meta, paged_decode, rotary_store_kv,
+                         store_kv, varlen_prefill)
 from tgi_kernels.fp8 import key_rotation, to_cache_dtype
 
 CPU = torch.device("cpu")
@@ -55,6 +56,28 @@ def test_prefill_reads_fp8_prefix_as_its_values(backend, group, head_dim, slidin
     want = varlen_prefill(*args, kw, vw, case.prefill, 0.2, sliding_window, backend="reference")
     got = varlen_prefill(*args, k8, v8, case.prefill, 0.2, sliding_window, backend=backend)
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@FP8
+def test_decode_reads_every_fp8_value_exactly(backend, head_dim, fp8):
+    """Sequences of one token, whose softmax weight is exactly 1, give their
+    value row back: every finite fp8 bit pattern (subnormals, both zeros,
+    the largest) read as its bf16 value, by the kernels that turn fp8 rows
+    into bf16 (cpu with AVX512-BF16 and VBMI) and by those that widen."""
+    patterns = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    values = patterns.view(fp8).float()
+    values = torch.where(values.isfinite(), values, 0.0)   # NaN and infinity: never stored
+    rows = values.reshape(-1, head_dim)                     # [256 / head_dim, head_dim]
+    seqs = rows.shape[0]
+    v_cache = torch.zeros(seqs, 16, 1, head_dim).to(fp8)
+    v_cache[:, 0, 0] = rows.to(fp8)
+    k_cache = torch.zeros_like(v_cache)
+    query = torch.randn(seqs, 2, head_dim).bfloat16()
+    meta = build_decode_meta([1] * seqs, [[b] for b in range(seqs)])
+    out = paged_decode(query, k_cache, v_cache, meta, 0.125, backend=backend)
+    assert torch.equal(out.float(), rows[:, None].expand(seqs, 2, head_dim))
 
 
 def test_fp8_cache_reads_differ_from_the_float_cache():

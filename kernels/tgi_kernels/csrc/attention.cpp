@@ -251,8 +251,8 @@ void decode_heads_vec(const T* q, const C* k_cache, const C* v_cache, int64_t bl
 
 #ifdef TGI_BF16_GEMM
 // decode_bf16::heads in decode_heads' signature (softcap is 0 there: checked by the caller).
-template <int64_t kD>
-void decode_heads_bf16(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache,
+template <int64_t kD, typename C>
+void decode_heads_bf16(const c10::BFloat16* q, const C* k_cache, const C* v_cache,
                        int64_t block_stride, int64_t token_stride, const int32_t* table, int64_t block_size,
                        int64_t first, int64_t last, int64_t hp, int64_t G, int64_t /*head_dim*/, double scale,
                        double /*softcap*/, c10::BFloat16* out, const Rows& after) {
@@ -372,9 +372,18 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
         if ((D == 64 || D == 128) && softcap == 0) {
           hp = heads_per_item(KVH, decode_bf16::kMaxHeads / G);
-          one = D == 64 ? decode_heads_bf16<64> : decode_heads_bf16<128>;
+          one = D == 64 ? decode_heads_bf16<64, C> : decode_heads_bf16<128, C>;
         }
       }
+#ifdef TGI_FP8_BF16
+      // bf16 query, fp8 cache: each chunk's rows turned into bf16 (exactly), then the same.
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kIsFp8<C>) {
+        if ((D == 64 || D == 128) && softcap == 0) {
+          hp = heads_per_item(KVH, std::min(decode_bf16::kMaxHeads / G, decode_bf16::kMaxConverted / D));
+          one = D == 64 ? decode_heads_bf16<64, C> : decode_heads_bf16<128, C>;
+        }
+      }
+#endif
 #endif
       const int64_t parts = KVH / hp;
       auto first_key = [&](int64_t b) {

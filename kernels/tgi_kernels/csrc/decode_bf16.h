@@ -21,15 +21,22 @@
 // 8L + i and 8L + 4 + i of each 128-bit quarter L, see out_dim), undone once
 // when the output is written.
 //
+// An fp8 cache (with AVX512-VBMI as well) takes the same path: each chunk's
+// rows are first turned into bf16, exactly (every e4m3fn and e5m2 value is
+// a bf16 value), by two 128-entry byte lookups (fp8_to_bf16), into buffers
+// the passes read as they read a bf16 cache's rows.
+//
 // SmolLM2 (9 query heads, 3 kv heads of 64, bf16), 64 sequences of 192
 // tokens, 2 threads, Zen 4: docs/architecture.md, "The shard".
 #pragma once
 
 #include "bf16_tile.h"
 #include "decode_rows.h"
+#include "fp8.h"
 #include "vec.h"
 
 #include <limits>
+#include <type_traits>
 
 namespace tgi {
 
@@ -37,6 +44,52 @@ namespace tgi {
 namespace decode_bf16 {
 
 constexpr int64_t kChunk = 16, kMaxHeads = 16;  // query heads a work item holds
+constexpr int64_t kMaxConverted = 512;            // bf16 elements of one token's hp heads, from an fp8 cache
+
+#if defined(__AVX512VBMI__)
+#define TGI_FP8_BF16 1
+
+// The bf16 of each fp8 magnitude (the low 7 bits), high bytes and low
+// bytes: 128 entries each, two registers, for vpermt2b.
+struct Fp8Table {
+  __m512i hi0, hi1, lo0, lo1;
+};
+
+template <typename C>
+const Fp8Table& fp8_table() {
+  static const Fp8Table table = [] {
+    alignas(64) uint8_t hi[128], lo[128];
+    for (int m = 0; m < 128; ++m) {  // c10's own conversion: e4m3fn's 0x7F (NaN, never stored) stays NaN
+      const uint16_t bits = c10::BFloat16(float(C(uint8_t(m), C::from_bits()))).x;
+      hi[m] = uint8_t(bits >> 8);
+      lo[m] = uint8_t(bits);
+    }
+    return Fp8Table{_mm512_load_si512(hi), _mm512_load_si512(hi + 64), _mm512_load_si512(lo),
+                    _mm512_load_si512(lo + 64)};
+  }();
+  return table;
+}
+
+// n (a multiple of 64) fp8 values of src as bf16 in dst, exactly: each
+// byte's magnitude looks up its bf16's two bytes (vpermt2b ignores the sign
+// bit), the sign is or'ed into the high byte, the bytes interleave into
+// words (per 128-bit lane: elements 0-7 from unpacklo, 8-15 from unpackhi),
+// and the lanes go back in order. ~9 instructions for 64 values.
+template <typename C>
+inline void fp8_to_bf16(const C* src, c10::BFloat16* dst, int64_t n) {
+  const Fp8Table& t = fp8_table<C>();
+  const __m512i sign = _mm512_set1_epi8(char(0x80));
+  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  for (int64_t i = 0; i < n; i += 64) {
+    const __m512i b = _mm512_loadu_si512(src + i);
+    const __m512i hi = _mm512_or_si512(_mm512_permutex2var_epi8(t.hi0, b, t.hi1), _mm512_and_si512(b, sign));
+    const __m512i lo = _mm512_permutex2var_epi8(t.lo0, b, t.lo1);
+    const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi);
+    _mm512_storeu_si512(dst + i, _mm512_permutex2var_epi64(w0, first, w1));
+    _mm512_storeu_si512(dst + i + 32, _mm512_permutex2var_epi64(w0, second, w1));
+  }
+}
+#endif
 
 inline __m512 dp(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
@@ -110,13 +163,16 @@ void with_count(int n, F&& f) {
 }
 
 // q [hp * G, D] bf16 (heads contiguous); k_cache/v_cache rows of
-// token_stride elements, this work item's first kv head at offset 0;
+// token_stride elements of C (bf16, or fp8 where TGI_FP8_BF16 and
+// hp * kD <= kMaxConverted), this work item's first kv head at offset 0;
 // out [hp * G, D]. softcap must be 0 (the caller keeps softcapped models on
 // decode_heads_vec). kD: 64 or 128.
-template <int64_t kD>
-void heads(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFloat16* v_cache, int64_t block_stride,
+template <int64_t kD, typename C>
+void heads(const c10::BFloat16* q, const C* k_cache, const C* v_cache, int64_t block_stride,
            int64_t token_stride, const int32_t* table, int64_t block_size, int64_t first, int64_t last, int64_t hp,
            int64_t G, double scale, c10::BFloat16* out, const Rows& after) {
+  constexpr bool kConvert = !std::is_same_v<C, c10::BFloat16>;
+  alignas(64) c10::BFloat16 kbuf[kConvert ? kChunk * kMaxConverted : 1], vbuf[kConvert ? kChunk * kMaxConverted : 1];
   constexpr int64_t kP = kD / 32, kA = kD / 16;  // bf16 vectors a head row; float accumulators a head
   constexpr int kGroup = int(16 / kA);           // query heads whose accumulators fit in 16 registers
   const int64_t QH = hp * G;
@@ -135,8 +191,22 @@ void heads(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFlo
   for (int64_t t0 = first; t0 < last;) {
     const int64_t block = table[t0 / block_size], offset = t0 % block_size;
     const int64_t n = std::min({kChunk, block_size - offset, last - t0});
-    const c10::BFloat16* kb = k_cache + block * block_stride + offset * token_stride;
-    const c10::BFloat16* vb = v_cache + block * block_stride + offset * token_stride;
+    const C* kc = k_cache + block * block_stride + offset * token_stride;
+    const C* vc = v_cache + block * block_stride + offset * token_stride;
+    // The chunk's rows as bf16: in place, or turned into kbuf/vbuf (rows of hp * kD).
+    const c10::BFloat16 *kb, *vb;
+    int64_t stride;
+    if constexpr (kConvert) {
+#ifdef TGI_FP8_BF16
+      for (int64_t t = 0; t < n; ++t) {
+        fp8_to_bf16(kc + t * token_stride, kbuf + t * hp * kD, hp * kD);
+        fp8_to_bf16(vc + t * token_stride, vbuf + t * hp * kD, hp * kD);
+      }
+#endif
+      kb = kbuf, vb = vbuf, stride = hp * kD;
+    } else {
+      kb = kc, vb = vc, stride = token_stride;
+    }
     const Rows ahead = next_chunk(k_cache, v_cache, block_stride, token_stride, table, block_size, kChunk, t0 + n,
                                   last, after);
     const __mmask16 valid = __mmask16((1u << n) - 1);
@@ -155,7 +225,7 @@ void heads(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFlo
         a[t] = _mm512_setzero_ps();
         if (t < n) {
 #pragma GCC unroll 4
-          for (int64_t p = 0; p < kP; ++p) a[t] = dp(a[t], qv[h][p], _mm512_loadu_si512(kh + t * token_stride + 32 * p));
+          for (int64_t p = 0; p < kP; ++p) a[t] = dp(a[t], qv[h][p], _mm512_loadu_si512(kh + t * stride + 32 * p));
         }
       }
       _mm512_store_ps(scores[h], _mm512_mask_blend_ps(valid, neg_inf, _mm512_mul_ps(vec::sum16(a), vscale)));
@@ -177,7 +247,7 @@ void heads(const c10::BFloat16* q, const c10::BFloat16* k_cache, const c10::BFlo
     for (int64_t kv = 0; kv < hp; ++kv)
       for (int64_t h0 = kv * G; h0 < (kv + 1) * G; h0 += kGroup)
         with_count<kGroup>(int(std::min<int64_t>(kGroup, (kv + 1) * G - h0)), [&](auto gs) {
-          pv_group<kD, gs.value>(vb + kv * kD, token_stride, n, h0, correction, pairs, acc);
+          pv_group<kD, gs.value>(vb + kv * kD, stride, n, h0, correction, pairs, acc);
         });
     t0 += n;
   }
