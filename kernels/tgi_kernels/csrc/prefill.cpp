@@ -12,7 +12,8 @@
 // mask and the online softmax run across rows lane-wise, and P.V broadcasts
 // each probability over a value row. The G query heads of the kv head share
 // each key/value row, widened to float once per tile. A bf16 query over bf16
-// keys takes prefill_bf16.h's tile instead where the CPU has AVX512-BF16.
+// keys takes prefill_bf16.h's tile instead where the CPU has AVX512-BF16, and so
+// does one over an fp8 cache where it also has AVX512-VBMI (Fp8Keys).
 #include "common.h"
 #include "fp8.h"
 #include "prefill_bf16.h"
@@ -203,12 +204,50 @@ void prefill_tile(const T* q, int64_t q_stride, const Keys<T, C>& keys, int64_t 
 #ifdef TGI_BF16_GEMM
 static_assert(prefill_bf16::kRows == kRows && prefill_bf16::kKeys == kKeys, "the tiles are the same size");
 
-// prefill_bf16::tile in prefill_tile's signature (softcap is 0 there: checked by the caller).
-template <int64_t kD>
-void prefill_tile_bf16(const c10::BFloat16* q, int64_t q_stride, const Keys<c10::BFloat16, c10::BFloat16>& keys,
+#ifdef TGI_FP8_BF16
+// Keys over an fp8 cache as the bf16 tile reads them: chunk() turns the
+// chunk's cache rows into bf16 (exactly: decode_bf16::fp8_to_bf16) in the
+// buffers rows() then hands out; the step's own rows (bf16) pass as they are.
+// The tile asks for each chunk once, before its rows.
+template <typename C, int64_t kD>
+struct Fp8Keys {
+  const Keys<c10::BFloat16, C>& keys;
+  mutable int64_t first = 0;  // the chunk's first position
+  alignas(64) mutable c10::BFloat16 k[kKeys][kD], v[kKeys][kD];
+
+  int64_t chunk(int64_t t0, int64_t last) const {
+    const int64_t n = keys.chunk(t0, last);
+    if (t0 < keys.prefix) {  // a chunk lies within one block of the cache, or within the step's rows
+      const int64_t at = keys.table[t0 / keys.block_size] * keys.block_stride + (t0 % keys.block_size) * keys.token_stride;
+      for (int64_t t = 0; t < n; ++t) {
+        decode_bf16::fp8_to_bf16(keys.k_cache + at + t * keys.token_stride, k[t], kD);
+        decode_bf16::fp8_to_bf16(keys.v_cache + at + t * keys.token_stride, v[t], kD);
+      }
+    }
+    first = t0;
+    return n;
+  }
+  std::pair<const c10::BFloat16*, const c10::BFloat16*> rows(int64_t t) const {
+    if (t < keys.prefix) return {k[t - first], v[t - first]};
+    return {keys.key + (t - keys.prefix) * keys.key_stride, keys.value + (t - keys.prefix) * keys.value_stride};
+  }
+};
+#endif
+
+// prefill_bf16::tile in prefill_tile's signature (softcap is 0 there: checked
+// by the caller); a cache of C = bf16, or fp8 (turned into bf16 a chunk at a
+// time) where TGI_FP8_BF16.
+template <int64_t kD, typename C>
+void prefill_tile_bf16(const c10::BFloat16* q, int64_t q_stride, const Keys<c10::BFloat16, C>& keys,
                        int64_t pos0, int64_t rows, int64_t window, int64_t G, int64_t /*head_dim*/, float scale,
                        float /*softcap*/, c10::BFloat16* out, int64_t out_stride, float* scratch) {
-  prefill_bf16::tile<kD>(q, q_stride, keys, pos0, rows, window, G, scale, out, out_stride, scratch);
+  if constexpr (std::is_same_v<C, c10::BFloat16>) {
+    prefill_bf16::tile<kD>(q, q_stride, keys, pos0, rows, window, G, scale, out, out_stride, scratch);
+  } else {
+#ifdef TGI_FP8_BF16
+    prefill_bf16::tile<kD>(q, q_stride, Fp8Keys<C, kD>{keys}, pos0, rows, window, G, scale, out, out_stride, scratch);
+#endif
+  }
 }
 #endif
 
@@ -287,7 +326,13 @@ at::Tensor varlen_prefill(const at::Tensor& query, const at::Tensor& key, const 
 #ifdef TGI_BF16_GEMM
         // bf16 query, keys and cache: nothing widened before it is multiplied (prefill_bf16.h).
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
-          if ((D == 64 || D == 128) && softcap == 0) one = D == 64 ? prefill_tile_bf16<64> : prefill_tile_bf16<128>;
+          if ((D == 64 || D == 128) && softcap == 0) one = D == 64 ? prefill_tile_bf16<64, C> : prefill_tile_bf16<128, C>;
+        }
+#endif
+#ifdef TGI_FP8_BF16
+        // bf16 query over an fp8 cache: the prefix's rows turned into bf16 a chunk at a time, then the same.
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kIsFp8<C>) {
+          if ((D == 64 || D == 128) && softcap == 0) one = D == 64 ? prefill_tile_bf16<64, C> : prefill_tile_bf16<128, C>;
         }
 #endif
         // Little work in all (a few short chunks): stay on this thread rather than wake the pool.
