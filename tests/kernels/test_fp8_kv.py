@@ -174,6 +174,41 @@ def test_rotary_store_kv_writes_what_the_float_cache_holds_in_fp8(fp8, dtype):
     assert torch.equal(v8.view(torch.uint8), to_cache_dtype(v_ref, fp8, 2.0).view(torch.uint8))
 
 
+def _fp8_edges(fp8) -> torch.Tensor:
+    """float32 values at every rounding edge of the format: each finite
+    code's value, the midpoints between neighbours (ties, to even) and the
+    floats on either side of them, both signs, and a little past the top."""
+    codes = torch.arange(128, dtype=torch.int32).to(torch.uint8).view(fp8).float()
+    codes = codes[codes.isfinite()]
+    mids = (codes[1:] + codes[:-1]) / 2
+    edges = torch.cat([codes, mids, torch.nextafter(mids, torch.tensor(0.0)),
+                       torch.nextafter(mids, torch.tensor(float("inf"))), codes[-1:] * 1.01])
+    return torch.cat([edges, -edges])
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the C++ kernels did not build here")
+@FP8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_rotary_store_kv_rounds_every_edge_as_torch(fp8, dtype):
+    """The fused store's float8 rounding (vectorized for float32 and bf16
+    sources) is torch's, bit for bit, at every tie and edge of the format
+    and, from bf16, for every finite bf16 value (saturated past the top)."""
+    values = _fp8_edges(fp8).to(dtype)
+    if dtype == torch.bfloat16:
+        every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+        values = torch.cat([values, every[every.float().isfinite()]])
+    dim = 64
+    values = torch.cat([values, values[:(-len(values)) % dim]])  # whole rows of the value head
+    tokens = len(values) // dim
+    qkv = torch.zeros(tokens, 3, dim, dtype=dtype)
+    qkv[:, 2] = values.reshape(tokens, dim)
+    cos, sin = torch.ones(tokens, 1, dim, dtype=dtype), torch.zeros(tokens, 1, dim, dtype=dtype)
+    k8, v8 = (torch.zeros(tokens, 1, 1, dim, dtype=fp8) for _ in range(2))
+    rotary_store_kv(qkv, cos, sin, 1, k8, v8, torch.arange(tokens), v_scale=0.5)
+    want = to_cache_dtype(values.reshape(tokens, 1, 1, dim), fp8, 0.5)
+    assert torch.equal(v8.view(torch.uint8), want.view(torch.uint8))
+
+
 @pytest.mark.skipif("cpu" not in BACKENDS, reason="the C++ kernels did not build here")
 @pytest.mark.parametrize("dim", [64, 96, 128])
 @QUERY_DTYPES

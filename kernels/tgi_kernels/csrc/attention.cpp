@@ -268,6 +268,41 @@ void decode_heads_bf16(const c10::BFloat16* q, const C* k_cache, const C* v_cach
 template <typename A>
 inline void turn(A* x, int64_t D) {
   const int64_t n = D & -D;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<A, float>) {
+    if (n >= 16) {  // 16 floats a register: butterflies of width 1-8 within one, 16 and up across
+      const __m512 upper_1 = _mm512_castsi512_ps(_mm512_set1_epi64(int64_t(0x8000000000000000)));
+      constexpr int F = int(0x80000000u);  // a lane's sign bit; the sets list lanes from the top down
+      const __m512i by2 = _mm512_set_epi32(F, F, 0, 0, F, F, 0, 0, F, F, 0, 0, F, F, 0, 0);
+      const __m512i by4 = _mm512_set_epi64(int64_t(0x8000000080000000), int64_t(0x8000000080000000), 0, 0,
+                                           int64_t(0x8000000080000000), int64_t(0x8000000080000000), 0, 0);
+      const __m512i by8 = _mm512_set_epi64(int64_t(0x8000000080000000), int64_t(0x8000000080000000),
+                                           int64_t(0x8000000080000000), int64_t(0x8000000080000000), 0, 0, 0, 0);
+      // y_i = x_(i ^ len) + (bit len of i ? -x_i : x_i): the partner, plus x with the upper half's sign flipped.
+      auto step = [](__m512 v, __m512 partner, __m512i flip) {
+        return _mm512_add_ps(partner, _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), flip)));
+      };
+      for (int64_t r = 0; r < D; r += 16) {
+        __m512 v = _mm512_loadu_ps(x + r);
+        v = step(v, _mm512_permute_ps(v, 0xB1), _mm512_castps_si512(upper_1));
+        v = step(v, _mm512_permute_ps(v, 0x4E), by2);
+        v = step(v, _mm512_shuffle_f32x4(v, v, 0xB1), by4);
+        v = step(v, _mm512_shuffle_f32x4(v, v, 0x4E), by8);
+        _mm512_storeu_ps(x + r, v);
+      }
+      for (int64_t len = 16; len < n; len <<= 1)
+        for (int64_t i = 0; i < D; i += 2 * len)
+          for (int64_t j = i; j < i + len; j += 16) {
+            const __m512 a = _mm512_loadu_ps(x + j), b = _mm512_loadu_ps(x + j + len);
+            _mm512_storeu_ps(x + j, _mm512_add_ps(a, b));
+            _mm512_storeu_ps(x + j + len, _mm512_sub_ps(a, b));
+          }
+      const __m512 scale = _mm512_set1_ps(1.0f / float(int64_t(1) << ((63 - __builtin_clzll(uint64_t(n))) / 2)));
+      for (int64_t r = 0; r < D; r += 16) _mm512_storeu_ps(x + r, _mm512_mul_ps(_mm512_loadu_ps(x + r), scale));
+      return;
+    }
+  }
+#endif
   for (int64_t len = 1; len < n; len <<= 1) {
     for (int64_t i = 0; i < D; i += 2 * len) {
 #pragma omp simd

@@ -59,14 +59,60 @@ inline void widen(const C* src, float* dst, int64_t n) {
   for (int64_t j = i; j < n; ++j) dst[j] = ld(src[j]);
 }
 
+#if defined(__AVX512F__)
+// 16 floats (finite, within the format's range) as fp8 bytes, rounded to
+// nearest even as c10's conversion rounds them: a normal value keeps its
+// float exponent, rebiased, and the top 3 (e4m3fn) or 2 (e5m2) mantissa bits,
+// rounded by adding half an ulp less one plus the kept lsb (a carry moves
+// into the exponent); one below the smallest normal (2^-6, 2^-14) is its
+// multiple of the smallest subnormal (2^-9, 2^-16), rounded by vcvtps2dq.
+template <typename C>
+inline __m128i fp8_bytes(__m512 x) {
+  constexpr bool e4m3 = std::is_same_v<C, c10::Float8_e4m3fn>;
+  constexpr int drop = e4m3 ? 20 : 21;                     // float mantissa bits dropped
+  constexpr int rebias = e4m3 ? (127 - 7) << 3 : (127 - 15) << 2;
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(magnitude, drop), _mm512_set1_epi32(1));
+  const __m512i half = _mm512_add_epi32(_mm512_set1_epi32((1 << (drop - 1)) - 1), lsb);
+  const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(magnitude, half), drop),
+                                          _mm512_set1_epi32(rebias));
+  const float subnormal_unit = e4m3 ? 512.0f : 65536.0f;   // 1 / the smallest subnormal
+  const __m512i tiny = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(magnitude), _mm512_set1_ps(subnormal_unit)));
+  const __mmask16 below = _mm512_cmplt_epi32_mask(magnitude, _mm512_set1_epi32(e4m3 ? 0x3C800000 : 0x38800000));
+  const __m512i code = _mm512_or_si512(_mm512_mask_blend_epi32(below, normal, tiny),
+                                       _mm512_srli_epi32(_mm512_andnot_si512(magnitude, bits), 24));
+  return _mm512_cvtepi32_epi8(code);
+}
+#endif
+
 // n elements of src (in T) into dst (in C): fp8 of src * inv_scale,
 // saturated to the format's largest finite value (a plain cast overflows
 // to NaN or infinity); a plain copy where C is T (inv_scale is then 1).
+// With AVX-512, float and bf16 sources go 16 at a time (fp8_bytes): the KV
+// store writes every step's keys and values through here.
 template <typename C, typename T>
 inline void narrow(const T* src, C* dst, int64_t n, float inv_scale) {
   if constexpr (kIsFp8<C>) {
     const float top = float(std::numeric_limits<C>::max());  // 448 (e4m3fn), 57344 (e5m2)
-    for (int64_t i = 0; i < n; ++i) dst[i] = C(std::clamp(float(ld(src[i])) * inv_scale, -top, top));
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+      const __m512 scale = _mm512_set1_ps(inv_scale), high = _mm512_set1_ps(top), low = _mm512_set1_ps(-top);
+      for (; i + 16 <= n; i += 16) {
+        __m512 x;
+        if constexpr (std::is_same_v<T, float>) {
+          x = _mm512_loadu_ps(src + i);
+        } else {  // bf16: the high half of a float
+          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+          x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        }
+        x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x, scale), low), high);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), fp8_bytes<C>(x));
+      }
+    }
+#endif
+    for (; i < n; ++i) dst[i] = C(std::clamp(float(ld(src[i])) * inv_scale, -top, top));
   } else {
     std::copy(src, src + n, dst);
   }
