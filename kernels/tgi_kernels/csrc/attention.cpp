@@ -268,6 +268,7 @@ void decode_heads_bf16(const c10::BFloat16* q, const C* k_cache, const C* v_cach
 template <typename A>
 inline void turn(A* x, int64_t D) {
   const int64_t n = D & -D;
+  const A scale = A(1) / A(int64_t(1) << ((63 - __builtin_clzll(uint64_t(n))) / 2));
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<A, float>) {
     if (n >= 16) {  // 16 floats a register: butterflies of width 1-8 within one, 16 and up across
@@ -297,8 +298,8 @@ inline void turn(A* x, int64_t D) {
             _mm512_storeu_ps(x + j, _mm512_add_ps(a, b));
             _mm512_storeu_ps(x + j + len, _mm512_sub_ps(a, b));
           }
-      const __m512 scale = _mm512_set1_ps(1.0f / float(int64_t(1) << ((63 - __builtin_clzll(uint64_t(n))) / 2)));
-      for (int64_t r = 0; r < D; r += 16) _mm512_storeu_ps(x + r, _mm512_mul_ps(_mm512_loadu_ps(x + r), scale));
+      for (int64_t r = 0; r < D; r += 16)
+        _mm512_storeu_ps(x + r, _mm512_mul_ps(_mm512_loadu_ps(x + r), _mm512_set1_ps(scale)));
       return;
     }
   }
@@ -313,7 +314,6 @@ inline void turn(A* x, int64_t D) {
       }
     }
   }
-  const A scale = A(1) / A(int64_t(1) << ((63 - __builtin_clzll(uint64_t(n))) / 2));
 #pragma omp simd
   for (int64_t d = 0; d < D; ++d) x[d] *= scale;
 }
