@@ -32,7 +32,8 @@ def key_rotation(head_dim: int, dtype: torch.dtype, device: torch.device) -> tup
     exact in every float dtype, so R R^T = factor * I with factor 1 (n an
     even power of two) or 2 (odd): the caller divides the softmax scale by
     it, exactly."""
-    n, bits = head_dim & -head_dim, (head_dim & -head_dim).bit_length() - 1
+    n = head_dim & -head_dim
+    bits = n.bit_length() - 1
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])

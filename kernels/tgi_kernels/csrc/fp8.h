@@ -5,6 +5,7 @@
 #pragma once
 
 #include "common.h"
+#include "lanes.h"
 
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
@@ -89,25 +90,18 @@ inline __m128i fp8_bytes(__m512 x) {
 // n elements of src (in T) into dst (in C): fp8 of src * inv_scale,
 // saturated to the format's largest finite value (a plain cast overflows
 // to NaN or infinity); a plain copy where C is T (inv_scale is then 1).
-// With AVX-512, float and bf16 sources go 16 at a time (fp8_bytes): the KV
-// store writes every step's keys and values through here.
+// With AVX-512, 16 at a time (fp8_bytes), sources read as lanes16's float
+// lanes: the KV store writes every step's keys and values through here.
 template <typename C, typename T>
 inline void narrow(const T* src, C* dst, int64_t n, float inv_scale) {
   if constexpr (kIsFp8<C>) {
     const float top = float(std::numeric_limits<C>::max());  // 448 (e4m3fn), 57344 (e5m2)
     int64_t i = 0;
-#if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // lanes16::Lanes is one zmm
+    if constexpr (!std::is_same_v<T, double>) {
       const __m512 scale = _mm512_set1_ps(inv_scale), high = _mm512_set1_ps(top), low = _mm512_set1_ps(-top);
       for (; i + 16 <= n; i += 16) {
-        __m512 x;
-        if constexpr (std::is_same_v<T, float>) {
-          x = _mm512_loadu_ps(src + i);
-        } else {  // bf16: the high half of a float
-          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-          x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        }
-        x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x, scale), low), high);
+        const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(lanes16::lanes(src + i).v, scale), low), high);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), fp8_bytes<C>(x));
       }
     }

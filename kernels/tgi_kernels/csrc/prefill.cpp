@@ -48,11 +48,13 @@ struct Keys {
     const int64_t end = t0 < prefix ? std::min(prefix, t0 - t0 % block_size + block_size) : last;
     return std::min({kKeys, end - t0, last - t0});
   }
+  // The offset of position t (< prefix) in the caches.
+  int64_t cached(int64_t t) const { return table[t / block_size] * block_stride + (t % block_size) * token_stride; }
   // The key and value rows of position t, where the cache holds T (C == T).
   std::pair<const T*, const T*> rows(int64_t t) const {
     static_assert(std::is_same_v<T, C>);
     if (t < prefix) {
-      const int64_t at = table[t / block_size] * block_stride + (t % block_size) * token_stride;
+      const int64_t at = cached(t);
       return {k_cache + at, v_cache + at};
     }
     return {key + (t - prefix) * key_stride, value + (t - prefix) * value_stride};
@@ -60,7 +62,7 @@ struct Keys {
   // The key and value of position t as floats: D each into kw and vw.
   void widen_row(int64_t t, int64_t D, float* kw, float* vw) const {
     if (t < prefix) {
-      const int64_t at = table[t / block_size] * block_stride + (t % block_size) * token_stride;
+      const int64_t at = cached(t);
       widen(k_cache + at, kw, D);
       widen(v_cache + at, vw, D);
     } else {
@@ -218,7 +220,7 @@ struct Fp8Keys {
   int64_t chunk(int64_t t0, int64_t last) const {
     const int64_t n = keys.chunk(t0, last);
     if (t0 < keys.prefix) {  // a chunk lies within one block of the cache, or within the step's rows
-      const int64_t at = keys.table[t0 / keys.block_size] * keys.block_stride + (t0 % keys.block_size) * keys.token_stride;
+      const int64_t at = keys.cached(t0);
       for (int64_t t = 0; t < n; ++t) {
         decode_bf16::fp8_to_bf16(keys.k_cache + at + t * keys.token_stride, k[t], kD);
         decode_bf16::fp8_to_bf16(keys.v_cache + at + t * keys.token_stride, v[t], kD);

@@ -20,9 +20,6 @@ from .rotary import apply_rotary
 if TYPE_CHECKING:
     from ..models.config import ModelConfig
 
-# A layer's KV cache scales in fp8 checkpoints, the first present of each.
-K_SCALE_NAMES, V_SCALE_NAMES = ("k_scale", "kv_scale"), ("v_scale", "kv_scale")
-
 
 @dataclass(frozen=True)
 class HeadShard:
@@ -125,12 +122,11 @@ class Attention(nn.Module):
         norms = ((RMSNorm.load(weights, f"{prefix}.q_norm", config.rms_norm_eps, config.norm_offset),
                   RMSNorm.load(weights, f"{prefix}.k_norm", config.rms_norm_eps, config.norm_offset))
                  if config.qk_norm else (None, None))
-        kv_scales = _kv_scales(weights, prefix) if weights.kv_scales else (1.0, 1.0)
-        measured = any(weights.has(f"{prefix}.{name}") for name in K_SCALE_NAMES)
-        rotation = key_rotation(head_dim, weights.dtype, weights.device) if weights.kv_scales and not measured else None
+        k_scale, v_scale = _kv_scales(weights, prefix) if weights.kv_scales else (1.0, 1.0)
+        rotation = key_rotation(head_dim, weights.dtype, weights.device) if k_scale is None else None
         return cls(qkv, o_proj, layer_idx, heads.num_heads, heads.num_kv_heads, head_dim,
                    config.layers[layer_idx].sliding_window, config.attn_scale, *norms, config.rotary_dim,
-                   config.attn_softcap, kv_scales, rotation)
+                   config.attn_softcap, (k_scale or 1.0, v_scale or 1.0), rotation)
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv [T, heads + 2 kv_heads, D] -> the same with q and k heads normed
@@ -191,16 +187,16 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(tokens, heads * self.head_dim))
 
 
-def _kv_scales(weights: TensorSource, prefix: str) -> tuple[float, float]:
+def _kv_scales(weights: TensorSource, prefix: str) -> tuple[float | None, float | None]:
     """(k_scale, v_scale) of one attention layer: `{prefix}.k_scale` and
-    `.v_scale`, else `.kv_scale` for both, else 1.0 (scalars, or one-element
+    `.v_scale`, else `.kv_scale` for both, else None (scalars, or one-element
     tensors; one per layer, the same on every rank)."""
-    def scale(*names: str) -> float:
+    def scale(*names: str) -> float | None:
         name = next((f"{prefix}.{n}" for n in names if weights.has(f"{prefix}.{n}")), None)
         if name is None:
-            return 1.0
+            return None
         value = float(weights.get(name).float().reshape(-1)[0])
         if not 0 < value < float("inf"):
             raise CheckpointError(f"{name} is {value}: a KV cache scale must be positive and finite")
         return value
-    return scale(*K_SCALE_NAMES), scale(*V_SCALE_NAMES)
+    return scale("k_scale", "kv_scale"), scale("v_scale", "kv_scale")
