@@ -48,7 +48,7 @@ def test_the_chat_template_renders_gemma_turns(gemma3):
         tokenizer.apply_chat_template([{"role": "assistant", "content": "x"}], tokenize=False)
 
 
-def test_greedy_chat_matches_transformers(gemma3, tmp_path):
+def test_greedy_chat_matches_transformers(gemma3, tmp_path, fast_gguf_reader):
     from transformers import AutoModelForCausalLM
 
     path, tokenizer = gemma3

@@ -323,7 +323,7 @@ def test_smollm2_answers_in_english_so_q_k_are_unpermuted(smollm2_hf):
 
 
 @pytest.mark.slow
-def test_smollm2_tensors_match_transformers_gguf_loader(smollm2_hf, smollm2_checkpoint):
+def test_smollm2_tensors_match_transformers_gguf_loader(smollm2_hf, smollm2_checkpoint, fast_gguf_reader):
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     theirs = load_gguf_checkpoint(str(smollm2_hf[2]), return_tensors=True, model_to_load=smollm2_hf[0])["tensors"]

@@ -35,6 +35,12 @@ class QuantizedMatrix:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [N, K] the quantized values stand for."""
+        (n, k), g = self.q.shape, self.scales.shape[1]
+        if k % g == 0 and torch.equal(self.group, torch.arange(k) // (k // g)):
+            # Consecutive groups: each group's scale broadcast over its columns (the
+            # same products and sums as gathering them per column, without [N, K] copies).
+            q = self.q.float().view(n, g, k // g)
+            return (q * self.scales[..., None] + self.offsets[..., None]).view(n, k).to(dtype)
         return (self.q.float() * self.scales[:, self.group] + self.offsets[:, self.group]).to(dtype)
 
     def columns(self, start: int, stop: int) -> "QuantizedMatrix":
@@ -79,6 +85,9 @@ def affine_grid(w: torch.Tensor, bits: int, symmetric: bool, min_zero: int = 0,
     inputs) the least output error d^T H d."""
     top = 2 ** bits - 1
     best = None
+    lead = w.shape[:-1]
+    if hessian is not None:  # [G, M, size]: each group's rows together, one bmm by its H_g a factor
+        w = w.reshape(-1, *w.shape[-2:]).transpose(0, 1).contiguous()
     if symmetric:
         absmax = w.abs().amax(-1)
     else:
@@ -95,14 +104,15 @@ def affine_grid(w: torch.Tensor, bits: int, symmetric: bool, min_zero: int = 0,
         # (half the time of the AWQ scale search, which calls this ~10k times).
         s, z = scale[..., None], zero[..., None]
         diff = w.div(s).round_().add_(z).clamp_(0, top).sub_(z).mul_(s).sub_(w)  # dequantized - w
-        err = diff.pow_(2) if hessian is None else torch.einsum("...gi,gij->...gj", diff, hessian).mul_(diff)
-        err = err.sum(-1)
+        err = (diff.pow_(2) if hessian is None else torch.bmm(diff, hessian).mul_(diff)).sum(-1)
         if best is None:
             best = (scale, zero, err)
         else:
             better = err < best[2]
             best = (torch.where(better, scale, best[0]), torch.where(better, zero, best[1]),
                     torch.minimum(err, best[2]))
+    if hessian is not None:  # [G, M] -> [..., G]
+        return best[0].transpose(0, 1).reshape(lead), best[1].transpose(0, 1).reshape(lead)
     return best[0], best[1]
 
 
