@@ -7,7 +7,11 @@ with its KV blocks in that dtype, in fp8_e4m3fn and in fp8_e5m2.
   below the model's 8,192 positions), and the greedy tokens of five prompts
   (128 new tokens each, the five at once). The same float cache read by the
   sdpa backend instead of the default one gives the noise floor of that
-  comparison: float32 rounding alone, in the same sitting.
+  comparison: the serving dtype's rounding alone, in the same sitting.
+- In-process, the model in float32: the same five prompts' greedy tokens
+  with each cache. In bf16 the noise floor alone changes most answers; in
+  float32 two kernels' roundings give the same tokens, so what differs is
+  float8's doing.
 - In-process: perplexity of the quantization tests' fixed text (Python's
   LICENSE.txt, its first 2,000 tokens) prefilled 16 tokens a step, so that
   nearly every key and value the model attends to is read back from the
@@ -76,14 +80,33 @@ def first_differences(runs: list[list[int]], base: list[list[int]]) -> list[int]
             for got, want in zip(runs, base)]
 
 
-def in_process(kv_cache_dtype: str | None) -> ModelRunner:
-    """The default model's shard, warmed up, with this cache (640 MiB)."""
-    config = ShardConfig(model_id=None, revision=None, uds_path="/unused", dtype=None, device="cpu", block_size=16,
+def in_process(kv_cache_dtype: str | None, dtype: str | None = None) -> ModelRunner:
+    """The default model's shard (in `dtype`; None: the one it picks),
+    warmed up, with this cache (640 MiB)."""
+    config = ShardConfig(model_id=None, revision=None, uds_path="/unused", dtype=dtype, device="cpu", block_size=16,
                          kv_cache_bytes=640 << 20, attention_backend=None, num_threads=engine_bench.THREADS,
                          kv_cache_dtype=kv_cache_dtype)
     runner, _ = load_shard(config)
     runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=DECODE_CONTEXT * 8, max_batch_size=DECODE_BATCH))
     return runner
+
+
+def greedy_tokens(runner: ModelRunner) -> list[list[int]]:
+    """NEW_TOKENS greedy token ids per prompt, the five decoding together."""
+    tokenizer = load_gguf_tokenizer(default_model_path())
+    ids = [tokenizer(p).input_ids for p in PROMPTS]
+    blocks = -(-(max(map(len, ids)) + NEW_TOKENS) // runner.block_size)
+    first = runner.step(pb.StepRequest(new_sequences=[pb.NewSequence(
+        id=i + 1, token_ids=p, prompt_length=len(p), num_scheduled_tokens=len(p),
+        block_table=list(range(i * blocks, (i + 1) * blocks)), parameters=pb.SamplingParameters())
+        for i, p in enumerate(ids)]))
+    tokens = [[g.token_id] for g in first.generations]
+    step = pb.StepRequest(running=[pb.RunningSequence(id=i + 1, num_scheduled_tokens=1) for i in range(len(ids))])
+    for _ in range(NEW_TOKENS - 1):
+        for out, g in zip(tokens, runner.step(step).generations):
+            out.append(g.token_id)
+    runner.step(pb.StepRequest(release_ids=[i + 1 for i in range(len(ids))]))
+    return tokens
 
 
 def perplexity(runner: ModelRunner) -> float:
@@ -133,6 +156,15 @@ def run() -> dict:
         print(f"kv_fp8: {name}: first differing token per prompt {first} (of {NEW_TOKENS})", flush=True)
         results |= {f"kv_fp8_{name}_capacity_ratio": runs[kv]["capacity"] / base["capacity"],
                     f"kv_fp8_{name}_greedy_same_of_5": first.count(NEW_TOKENS)}
+    # The same five prompts with the model in float32, in process: what float8 alone
+    # changes, without bf16's rounding (whose kernel swap alone changes most answers).
+    exact = {kv: greedy_tokens(in_process(kv, "float32")) for kv in KV_DTYPES}
+    for kv in KV_DTYPES[1:]:
+        name = kv.removeprefix("fp8_")
+        first = first_differences(exact[kv], exact[None])
+        print(f"kv_fp8: {name}, model in float32: first differing token per prompt {first} (of {NEW_TOKENS})",
+              flush=True)
+        results[f"kv_fp8_{name}_float32_greedy_same_of_5"] = first.count(NEW_TOKENS)
     runners = {kv: in_process(kv) for kv in KV_DTYPES}
     ppl = {kv: perplexity(runner) for kv, runner in runners.items()}
     step_ms = decode_steps(runners)
