@@ -85,7 +85,7 @@ def affine_grid(w: torch.Tensor, bits: int, symmetric: bool, min_zero: int = 0,
     inputs) the least output error d^T H d."""
     top = 2 ** bits - 1
     best = None
-    lead = w.shape[:-1]
+    lead = w.shape[:-1]  # [..., G]: the shape of what is returned
     if hessian is not None:  # [G, M, size]: each group's rows together, one bmm by its H_g a factor
         w = w.reshape(-1, *w.shape[-2:]).transpose(0, 1).contiguous()
     if symmetric:
