@@ -404,21 +404,15 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_cache, cons
 #endif
 #ifdef TGI_BF16_GEMM
       // bf16 query and cache: rows read as bf16 by vdpbf16ps (decode_bf16.h).
-      if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
+      // An fp8 cache's rows are turned into bf16 (exactly) a chunk at a time, into
+      // buffers of kMaxConverted elements a token.
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && decode_bf16::kReadsCache<C>) {
         if ((D == 64 || D == 128) && softcap == 0) {
-          hp = heads_per_item(KVH, decode_bf16::kMaxHeads / G);
+          const int64_t most = decode_bf16::kMaxHeads / G;
+          hp = heads_per_item(KVH, kIsFp8<C> ? std::min(most, decode_bf16::kMaxConverted / D) : most);
           one = D == 64 ? decode_heads_bf16<64, C> : decode_heads_bf16<128, C>;
         }
       }
-#ifdef TGI_FP8_BF16
-      // bf16 query, fp8 cache: each chunk's rows turned into bf16 (exactly), then the same.
-      if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kIsFp8<C>) {
-        if ((D == 64 || D == 128) && softcap == 0) {
-          hp = heads_per_item(KVH, std::min(decode_bf16::kMaxHeads / G, decode_bf16::kMaxConverted / D));
-          one = D == 64 ? decode_heads_bf16<64, C> : decode_heads_bf16<128, C>;
-        }
-      }
-#endif
 #endif
       const int64_t parts = KVH / hp;
       auto first_key = [&](int64_t b) {

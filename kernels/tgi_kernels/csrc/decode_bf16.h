@@ -91,6 +91,15 @@ inline void fp8_to_bf16(const C* src, c10::BFloat16* dst, int64_t n) {
 }
 #endif
 
+// The caches the bf16 kernels read (heads here, prefill.cpp's tile): bf16,
+// and fp8 where TGI_FP8_BF16 turns its rows into bf16.
+template <typename C>
+constexpr bool kReadsCache = std::is_same_v<C, c10::BFloat16>
+#ifdef TGI_FP8_BF16
+                             || kIsFp8<C>
+#endif
+    ;
+
 inline __m512 dp(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }

@@ -326,14 +326,9 @@ at::Tensor varlen_prefill(const at::Tensor& query, const at::Tensor& key, const 
         auto one = D == 64 ? prefill_tile<scalar_t, C, 64>
                  : D == 128 ? prefill_tile<scalar_t, C, 128> : prefill_tile<scalar_t, C, 0>;
 #ifdef TGI_BF16_GEMM
-        // bf16 query, keys and cache: nothing widened before it is multiplied (prefill_bf16.h).
-        if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) {
-          if ((D == 64 || D == 128) && softcap == 0) one = D == 64 ? prefill_tile_bf16<64, C> : prefill_tile_bf16<128, C>;
-        }
-#endif
-#ifdef TGI_FP8_BF16
-        // bf16 query over an fp8 cache: the prefix's rows turned into bf16 a chunk at a time, then the same.
-        if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kIsFp8<C>) {
+        // bf16 query and keys over a bf16 cache, or an fp8 one whose prefix rows are turned into
+        // bf16 a chunk at a time: nothing widened before it is multiplied (prefill_bf16.h).
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && decode_bf16::kReadsCache<C>) {
           if ((D == 64 || D == 128) && softcap == 0) one = D == 64 ? prefill_tile_bf16<64, C> : prefill_tile_bf16<128, C>;
         }
 #endif
