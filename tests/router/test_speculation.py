@@ -14,7 +14,7 @@ from tgi_router.scheduling.block_manager import BlockManager
 from tgi_router.scheduling.engine import Engine
 from tgi_router.scheduling.scheduler import Scheduler
 from tgi_router.scheduling.sequence import FinishReason, Sequence, Status, StoppingCriteria
-from tgi_router.scheduling.speculation import PRIOR, START_RATE, SpeculationPolicy
+from tgi_router.scheduling.speculation import PRIOR, PROBE_COST, START_RATE, SpeculationPolicy
 
 from ..shard_harness import DraftAlways
 from .fake_kv_shard import FakeKVShard, next_token
@@ -151,6 +151,7 @@ class Seq:
 
     def __init__(self, i: int, accepted: float = 0.0, checked: float = 0.0):
         self.id, self.draft_accepted, self.draft_checked = i, accepted, checked
+        self.steps_undrafted = 0
 
 
 def feed(policy: SpeculationPolicy, tokens_and_seconds) -> None:
@@ -191,6 +192,88 @@ def test_policy_learns_each_sequences_rate_from_its_drafts():
     assert (policy.total_drafted, policy.total_accepted) == (20, 5)
     fresh = Seq(2)
     assert policy.rate(fresh) == pytest.approx((PRIOR * policy.rate(s)) / PRIOR, abs=0.05)
+
+
+def checked(policy: SpeculationPolicy, seq: Sequence, drafted: int, accepted: int,
+            seconds: float | None = None) -> None:
+    """A decode-only step of seq alone, by default on a CPU-like line (6 ms + 0.5 ms a token)."""
+    gen = pb.Generation(id=seq.id, sampled=True, token_id=3, num_drafted=drafted,
+                        next_tokens=[pb.NextToken(token_id=4) for _ in range(accepted)])
+    policy.observe([(seq, 1 + drafted)], {seq.id: drafted} if drafted else {}, {seq.id: gen},
+                   0.006 + 0.0005 * (1 + drafted) if seconds is None else seconds)
+
+
+def copier(i: int = 2) -> Sequence:
+    return Sequence(id=i, token_ids=[1, 2, 3], params=pb.SamplingParameters(), stopping=StoppingCriteria(500),
+                    prompt_length=2)
+
+
+def serve(policy: SpeculationPolicy, seq: Sequence, host, steps: int) -> list[int]:
+    """`steps` decode steps of seq alone as the scheduler runs them: the
+    policy's drafts, as many as the proposer finds (7, 2, 5 or 0 in turn)
+    and one of them rejected, the step taking host(rows) seconds; the
+    drafts allowed in each."""
+    allowed = []
+    for i in range(steps):
+        k = policy.drafts([seq], 1).get(seq.id, 0)
+        drafted = min(k, (7, 2, 5, 0)[i % 4])
+        checked(policy, seq, drafted, max(drafted - 1, 0), seconds=host(1 + drafted))
+        allowed.append(k)
+    return allowed
+
+
+def test_a_hiccup_of_the_host_does_not_stop_drafting():
+    policy, seq = SpeculationPolicy(7), copier()
+
+    def cpu(rows: int) -> float:
+        return 0.006 + 0.0005 * rows
+
+    assert serve(policy, seq, cpu, 20)[-1] == 7
+    serve(policy, seq, lambda rows: 0.6, 1)  # seen once: 1 + 7 rows in 0.6 s instead of 10 ms
+    # had that tilted the line, the threshold would be 1: no draft again,
+    # and one-token steps cannot tell the line's slope
+    assert serve(policy, seq, cpu, 50)[-10:] == [7] * 10
+
+
+def test_a_line_the_steps_no_longer_fit_is_measured_again():
+    policy, seq = SpeculationPolicy(7), copier()
+    serve(policy, seq, lambda rows: 0.003 + 0.007 * rows, 30)  # a token costs 7 ms: few drafts pay
+    # The host got faster (a competitor left): the old slope leaves a
+    # negative base; the policy drafts in full and measures the line again.
+    assert serve(policy, seq, lambda rows: 0.006 + 0.0005 * rows, 200)[-10:] == [7] * 10
+    base, per_token = policy._line()
+    assert base == pytest.approx(0.006, rel=0.1) and per_token == pytest.approx(0.0005, rel=0.2)
+
+
+def test_policy_probes_the_sequences_it_gives_no_drafts_so_that_rates_recover():
+    policy = SpeculationPolicy(7)
+    feed(policy, [(n, 0.006 + 0.0005 * n) for n in (1, 2, 4, 8, 1, 8, 4, 2)])
+    writer = Sequence(id=1, token_ids=[1, 2, 3], params=pb.SamplingParameters(), stopping=StoppingCriteria(500),
+                      prompt_length=2)
+    for _ in range(60):  # a sequence writing text of its own: every draft rejected
+        checked(policy, writer, 7, 0)
+    copying = copier()
+    assert policy.rate(copying) < 0.01  # the global rate, which a new sequence starts from
+    # Alone (threshold 0.0005 / 0.0065 ~ 0.077) it is probed within 8 steps,
+    # then drafts more as its drafts are accepted, up to all 7.
+    allowed = []
+    for _ in range(40):
+        k = policy.drafts([copying], 1).get(2, 0)
+        allowed.append(k)
+        if k:
+            checked(policy, copying, k, k)
+    first = next(i for i, k in enumerate(allowed) if k)
+    assert first < 8 and allowed[first] == 1
+    assert allowed[-1] == 7 and allowed.index(7) < first + 15
+
+
+def test_probes_under_load_cost_at_most_their_share_of_a_step():
+    policy = SpeculationPolicy(7)
+    feed(policy, [(n, 0.006 + 0.0005 * n) for n in (1, 2, 4, 8, 16, 32, 64, 32)])
+    seqs = [Seq(i) for i in range(32)]  # rate 0.5: under load too low to draft
+    probes = sum(len(policy.drafts(seqs, 32)) for _ in range(300))
+    # a probe's row costs 0.5 ms; the 300 steps cost 22 ms each
+    assert 0 < probes * 0.0005 <= PROBE_COST * 300 * (0.006 + 0.0005 * 32)
 
 
 def test_a_step_ahead_drops_its_drafts_rather_than_the_step_when_blocks_are_short():

@@ -54,6 +54,7 @@ class Sequence:
     # checked (a rejection ends a check), for SpeculationPolicy.rate.
     draft_accepted: float = 0.0
     draft_checked: float = 0.0
+    steps_undrafted: int = 0  # decode steps since the policy last allowed it a draft
 
     def __post_init__(self):
         self.prompt_length = self.prompt_length or len(self.token_ids)

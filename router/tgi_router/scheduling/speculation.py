@@ -20,6 +20,25 @@ server barely drafts and is never slowed by it. A sequence's rate starts
 at the rate over all sequences (PRIOR drafts' worth) and follows its own
 drafts after; steps with prompt tokens do not enter the line.
 
+Both estimates change only from the steps that drafting shapes, so either
+could lock speculation off for good, and neither may:
+- The line. One step of a single sequence that took ~0.6 s (the host's
+  hiccup, 1 + 7 rows) tilted it to ~12 ms a token and a negative base,
+  clamped to 0: the threshold became 1, nothing drafted again, every step
+  computed one token, and a line needs steps of different sizes to change
+  its slope (seen in an A/B: the server at 2.1 tokens a step, then 1.0 for
+  good). A step now enters as at most OUTLIER x the line's time for it,
+  and a line whose base comes out negative is forgotten: the next steps
+  draft in full and measure it again.
+- The rates. After a sequence that writes text of its own (its drafts
+  rejected) the global rate, and every new sequence's with it, can fall
+  below the threshold. A sequence the rule gives no draft is allowed one,
+  a probe, once every P steps, with P = threshold / PROBE_COST: a probe
+  costs per_token seconds of a step of base + per_token x B for B
+  sequences, so probes from all of them cost threshold / P = PROBE_COST
+  of the step's time at most. At B = 1 on a CPU that is a probe every few
+  steps; under load, every hundred or so.
+
 Pure Python: the scheduler asks `drafts`, and `observe` reads each step's
 answer."""
 
@@ -34,6 +53,8 @@ DECAY = 0.97        # weight of the previous steps in the cost line at each new 
 SEQ_DECAY = 0.9     # weight of a sequence's older drafts in its rate
 PRIOR = 4.0         # drafts' worth of the global rate in a new sequence's rate
 START_RATE = 0.5    # the global rate before any draft was checked
+PROBE_COST = 0.01   # share of a step's time that probes may cost
+OUTLIER = 3.0       # a step enters the cost line as at most this many times the line's time for it
 
 
 class SpeculationPolicy:
@@ -58,17 +79,24 @@ class SpeculationPolicy:
 
     def drafts(self, decoding: Iterable[Sequence], batch: int) -> dict[int, int]:
         """Draft tokens for each of `decoding` in a step of `batch` decoding
-        sequences (ids with 0 are left out)."""
+        sequences (ids with 0 are left out). Called once per step planned:
+        it counts each sequence's steps without drafts, for its probes."""
         out = {}
         threshold = self._threshold(batch)
+        probe_every = threshold / PROBE_COST
         for seq in decoding:
             a, k = self.rate(seq), 0
             reach = a
             while k < self.max_drafts and reach >= threshold:
                 k += 1
                 reach *= a
+            if not k and self.max_drafts and seq.steps_undrafted + 1 >= probe_every:
+                k = 1
             if k:
                 out[seq.id] = k
+                seq.steps_undrafted = 0
+            else:
+                seq.steps_undrafted += 1
         return out
 
     def _threshold(self, batch: int) -> float:
@@ -89,7 +117,10 @@ class SpeculationPolicy:
         if slope is not None:  # steps of different sizes seen: their spread measures a token's cost
             self._slope = slope
         slope = self._slope or 0.0
-        return max(0.0, mt - slope * mn), slope
+        if mt - slope * mn < 0:  # not a line of these steps: forget the slope, draft, and learn it again
+            self._slope = None
+            return mt, 0.0
+        return mt - slope * mn, slope
 
     def observe(self, seqs: list[tuple[Sequence, int]], drafts: dict[int, int],
                 generations: dict[int, pb.Generation], seconds: float) -> None:
@@ -111,4 +142,7 @@ class SpeculationPolicy:
                 self.total_drafted += gen.num_drafted
                 self.total_accepted += accepted
         if decode_only and seqs:
+            line = self._line()
+            if line is not None:  # a hiccup of the host enters as OUTLIER x the line's time at most
+                seconds = min(seconds, OUTLIER * (line[0] + line[1] * computed))
             self._steps.add(computed, seconds)
