@@ -1,7 +1,9 @@
 """GGUF linears served from their quantized blocks: Q4_0, Q4_1 and Q4_K map
 exactly onto a 4-bit QuantizedMatrix with groups of 32 (and so onto the
-int4 GEMM); other block types (Q5_*, Q6_K, Q8_0, floats) have no fast
-kernel for linears here and are dequantized to the serving dtype as before
+int4 GEMM), Q8_0 onto an 8-bit one (GroupedInt8's int8 kernel) where that
+kernel serves the model's dtype; other block types (Q5_*, Q6_K, floats)
+have no fast kernel for linears here and are dequantized to the serving
+dtype as before
 (a merged projection with one such part, as Q4_K_M files store some v and
 down projections in Q6_K, is dequantized whole: layers/linear.py). A Q8_0
 LM head (or tied embedding) also keeps its int8 blocks for the head's GEMV
@@ -25,6 +27,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ..weights.gguf import GGUFFile
+from .grouped_int8 import GroupedInt8
 from .quantized_matrix import QuantizedMatrix
 
 BLOCK = 32
@@ -40,13 +43,18 @@ class GGUFFormat:
 
     def load(self, weights, prefix: str, dim: int, start: int, stop: int) -> QuantizedMatrix | torch.Tensor:
         """Rows (dim 0) or columns (dim 1) [start, stop) of `prefix.weight`:
-        a QuantizedMatrix for Q4_0/Q4_1/Q4_K, else a dequantized tensor."""
+        a QuantizedMatrix for Q4_0/Q4_1/Q4_K, and for Q8_0 where its int8
+        kernel serves the model's dtype (whole blocks only), else a
+        dequantized tensor."""
         name = f"{prefix}.weight"
         data, kind, row_order = self.file.blocks(name)
         if kind == GGMLQuantizationType.Q4_K:
             matrix = decode_q4_k(data)
         elif kind in _BLOCK_BYTES:
             matrix = decode_q4(data, kind)
+        elif (kind == GGMLQuantizationType.Q8_0 and GroupedInt8.serves(weights.dtype, weights.device)
+              and (dim == 0 or (start % BLOCK == 0 and stop % BLOCK == 0))):
+            matrix = decode_q8_0(data)
         else:
             return weights.get_slice(name, dim, start, stop)
         if row_order is not None:
@@ -61,10 +69,7 @@ class GGUFFormat:
         if kind != GGMLQuantizationType.Q8_0:
             return None
         rows = np.arange(data.shape[0]) if row_order is None else row_order
-        blocks = np.ascontiguousarray(data[rows[start:stop]]).reshape(stop - start, -1, _Q8_0_BYTES)
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, K / 32]
-        q = blocks[..., 2:].copy().view(np.int8).reshape(stop - start, -1)       # [rows, K]
-        return torch.from_numpy(q), torch.from_numpy(d)
+        return _q8_0(data[rows[start:stop]])
 
 
 def decode_q4(data: np.ndarray, kind: GGMLQuantizationType) -> QuantizedMatrix:
@@ -100,3 +105,19 @@ def decode_q4_k(data: np.ndarray) -> QuantizedMatrix:
     k = q.shape[1]
     return QuantizedMatrix(torch.from_numpy(q), torch.from_numpy(scales), torch.from_numpy(offsets),
                            torch.arange(k) // BLOCK, 4)
+
+
+def _q8_0(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks [rows, bytes per row] uint8 -> (q [rows, K] int8, d [rows, K / 32] float32)."""
+    rows = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(rows, -1, _Q8_0_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, K / 32]
+    q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)             # [rows, K]
+    return torch.from_numpy(q), torch.from_numpy(d)
+
+
+def decode_q8_0(data: np.ndarray) -> QuantizedMatrix:
+    """Q8_0 blocks -> QuantizedMatrix [rows, K] of 8 bits (q + 128, offsets -128 d)."""
+    q, d = _q8_0(data)
+    return QuantizedMatrix((q.to(torch.int16) + 128).to(torch.uint8), d, -128 * d,
+                           torch.arange(q.shape[1]) // BLOCK, 8)

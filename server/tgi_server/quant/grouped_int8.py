@@ -4,7 +4,9 @@ on our C++ GEMV (csrc/int8_gemv.cpp).
 
 It serves the LM head of a GGUF file whose head is Q8_0, as SmolLM2's tied
 token embedding is: at one row it reads 30 MB where the dense bf16 head
-reads 56 MB (0.9 against 2.8 ms, 2 threads, Zen 4). Two kernels:
+reads 56 MB (0.9 against 2.8 ms, 2 threads, Zen 4); and, where the int8
+activations below run (`serves`), a GGUF file's Q8_0 linears
+(QuantLinear's "grouped_int8"). Two kernels:
 - bf16 / fp16 activations on AVX512-VNNI: x quantized to int8 per 32
   columns (llama.cpp's Q8_0 x Q8_0 product) and summed in integers, 64
   products an instruction. It beats the dense bf16 GEMM at every row count
@@ -19,6 +21,8 @@ import torch
 from torch import nn
 
 from tgi_kernels.native import native_ops
+
+from .quantized_matrix import QuantizedMatrix
 
 LANES = 16  # output rows a block of the kernel's layout holds
 # Rows up to which the GEMV beats oneDNN's prepacked bf16 GEMM at SmolLM2's head
@@ -60,6 +64,28 @@ class GroupedInt8(nn.Module):
         if native_ops() is None or k % g or (k // g) % 4:
             return None
         return cls(q, scales)
+
+    @staticmethod
+    def serves(dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether linears in `dtype` on `device` would run the int8-activation
+        kernel, which beats the dense GEMM at every row count (the float one
+        only up to GEMV_MAX_ROWS: there Q8_0 linears stay dense)."""
+        ops = native_ops()
+        return (device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and ops is not None
+                and bool(ops.int8_int8x_available()))
+
+    @classmethod
+    def from_matrix(cls, m: QuantizedMatrix, dtype: torch.dtype, device: torch.device) -> "GroupedInt8 | None":
+        """m as int8 blocks where `serves` holds and m is symmetric 8-bit (q
+        stored + 128: offsets -128 x scales) in consecutive groups of a
+        multiple of 32 columns, several a row (GGUF's Q8_0, GPTQ's 8 bits);
+        else None. One group a row is EETQ's, which keeps torch's kernel and
+        its 16-bit activations, as TGI's EETQ does."""
+        (n, k), g = m.shape, m.scales.shape[1]
+        if (m.bits != 8 or g == 1 or k % g or (k // g) % 32 or not cls.serves(dtype, device)
+                or not torch.equal(m.group, torch.arange(k) // (k // g)) or not torch.equal(m.offsets, -128 * m.scales)):
+            return None
+        return cls((m.q.to(torch.int16) - 128).to(torch.int8), m.scales)
 
     def beats_dense(self, x: torch.Tensor) -> bool:
         """Whether this is faster than the dense GEMM for x [M, K]."""

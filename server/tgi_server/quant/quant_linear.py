@@ -28,6 +28,9 @@ On CPU, chosen once at load:
   Its bf16 path is vectorized, its fp32/fp16 paths are scalar: past
   INT4_KERNEL_MAX_ROWS input rows (prefill in bf16; any fp32/fp16 GEMM), the weight is
   unpacked from the same packed bytes into a dense matrix for one oneDNN GEMM instead.
+- "grouped_int8": symmetric 8-bit values in groups of 32 columns (GGUF's
+  Q8_0), bf16 or fp16 activations, AVX512-VNNI: GroupedInt8, x quantized to
+  int8 per 32 columns and summed in integers at every row count.
 - "int8": 8-bit values with one group per row: `_weight_int8pack_mm`
   (w = q_int8 * scale); an asymmetric row adds sum(x) * its constant.
   Also vectorized for bf16 only, and even there slower than dequantizing
@@ -54,6 +57,7 @@ from tgi_kernels.native import native_ops
 from tgi_kernels.triton import pack_quantized, quant_matmul
 
 from ..distributed import TensorParallel
+from .grouped_int8 import GroupedInt8
 from .quantized_matrix import QuantizedMatrix
 
 INT4_GROUP_SIZES = (256, 128, 64, 32)
@@ -143,8 +147,9 @@ class QuantLinear(nn.Module):
     bfloat16 with float32 dtype trades exactness for speed, see above); our int4
     kernels take x in dtype whatever it says, but their GEMV rounds x to int8
     unless kernel_dtype is float32 (where the CPU can: int4_int8x_available).
-    `kernel` names the layout chosen ("int4" | "int8" | "triton" | "dequant"); an
-    int4 layer's `native` is our kernels' op namespace, or None on torch's."""
+    `kernel` names the layout chosen ("int4" | "grouped_int8" | "int8" | "triton"
+    | "dequant"); an int4 layer's `native` is our kernels' op namespace, or None
+    on torch's."""
 
     def __init__(self, matrix: QuantizedMatrix, bias: torch.Tensor | None, dtype: torch.dtype,
                  device: torch.device, reduce: TensorParallel | None = None,
@@ -160,6 +165,9 @@ class QuantLinear(nn.Module):
             self.kernel = "triton"
         elif packed and self._init_int4(matrix, dtype, kernel_dtype or dtype):
             self.kernel = "int4"
+        elif packed and (grouped := GroupedInt8.from_matrix(matrix, dtype, device)) is not None:
+            self.grouped = grouped
+            self.kernel = "grouped_int8"
         elif packed and matrix.bits == 8 and matrix.scales.shape[1] == 1:
             self._init_int8(matrix, kernel_dtype or dtype)
             self.kernel = "int8"
@@ -262,6 +270,8 @@ class QuantLinear(nn.Module):
             else:
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                     xs.to(self.scale_zeros.dtype).contiguous(), self.packed, self.group_size, self.scale_zeros)
+        elif self.kernel == "grouped_int8":
+            y = self.grouped(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
         elif self.kernel == "int8" and x.numel() > self.int8_max_rows * self.in_features:
             w = self.q8.to(x.dtype) * self.scale8.to(x.dtype)[:, None]  # [N, K]
             y = F.linear(x, w if self.row_constant is None else w + self.row_constant.to(x.dtype)[:, None])

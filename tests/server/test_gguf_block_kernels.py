@@ -1,16 +1,24 @@
-"""Q4_K GGUF linears (llama.cpp's 4-bit K-quant, the bulk of a Q4_K_M file)
-run the int4 kernel on the file's blocks: decoded exactly as gguf-py
-dequantizes them, and served to the logits of transformers holding those
-values. gguf-py cannot write Q4_K, so `q4_k_blocks` below does (plain
-min / max rounding, llama.cpp's byte layout)."""
+"""GGUF linears served from their blocks beyond Q4_0 / Q4_1:
+- Q4_K (llama.cpp's 4-bit K-quant, the bulk of a Q4_K_M file) on the int4
+  kernel: decoded exactly as gguf-py dequantizes it, served to the logits of
+  transformers holding those values. gguf-py cannot write Q4_K, so
+  `q4_k_blocks` below does (plain min / max rounding, llama.cpp's layout).
+- Q8_0 on GroupedInt8's int8 kernel where its int8 activations run (bf16 on
+  AVX512-VNNI), against the same file served dense."""
 
 import gguf
 import numpy as np
 import pytest
 import torch
 
-from tgi_server.quant.gguf_linear import decode_q4_k
+from tgi_server.distributed import TensorParallel
+from tgi_server.model_loader import load_model, open_checkpoint
+from tgi_server.model_runner import ModelRunner
+from tgi_server.quant.gguf_linear import decode_q4_k, decode_q8_0
+from tgi_server.quant.grouped_int8 import GroupedInt8
 from tgi_server.quant.quant_linear import QuantLinear
+from tgi_server.weights.resolve import resolve_model
+from tgi_proto import pb
 
 from ..shard_harness import save_tiny_model
 from .test_engine_matches_hf import engine_logits
@@ -74,3 +82,42 @@ def test_prefill_logits_equal_transformers_on_the_dequantized_weights(model_type
     model = reference(model_type, source, stands_for, tmp_path)
     for prompt in PROMPTS:  # the int4 kernel sums in another order than transformers: as for Q4_0
         assert (engine_logits(runner, prompt) - hf_logits(model, prompt)).abs().max() < 4e-3
+
+
+def test_q8_0_blocks_decode_exactly_as_gguf_dequantizes_them():
+    blocks = gguf.quants.quantize(np.random.default_rng(1).standard_normal((40, 256)).astype(np.float32), Q.Q8_0)
+    np.testing.assert_array_equal(decode_q8_0(blocks).dequantize(torch.float32).numpy(),
+                                  gguf.quants.dequantize(blocks, Q.Q8_0))
+
+
+def bf16_runner(path) -> ModelRunner:
+    config, weights = open_checkpoint(resolve_model(str(path)), torch.bfloat16, torch.device("cpu"))
+    runner = ModelRunner(load_model(config, weights, TensorParallel()), 16, None, 16 << 20, None)
+    runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_batch_size=4))
+    return runner
+
+
+@pytest.mark.skipif(not GroupedInt8.serves(torch.bfloat16, torch.device("cpu")),
+                    reason="needs AVX512-VNNI and our C++ kernels")
+@pytest.mark.parametrize("model_type", ["phi3", "mixtral"])
+def test_q8_0_linears_in_bf16_run_the_int8_kernel_about_as_near_float32_as_dense_bf16(model_type, tmp_path,
+                                                                                       monkeypatch):
+    source = save_tiny_model(model_type, tmp_path / model_type)
+    path = tmp_path / f"{model_type}.Q8_0.gguf"
+    convert(model_type, source, path, Q.Q8_0)
+    ours = bf16_runner(path)
+    assert {m.kernel for m in ours.model.modules() if isinstance(m, QuantLinear)} == {"grouped_int8"}
+    exact = runner_for(path)  # float32: dense, as before
+    monkeypatch.setattr(GroupedInt8, "serves", staticmethod(lambda dtype, device: False))
+    dense = bf16_runner(path)
+    assert not any(isinstance(m, QuantLinear) for m in dense.model.modules())
+    for prompt in PROMPTS:
+        want = engine_logits(exact, prompt).float()
+
+        def error(runner: ModelRunner) -> float:
+            """The median over tokens of their logits' largest error: robust
+            to one token whose experts a rounding flips (mixtral)."""
+            return float((engine_logits(runner, prompt).float() - want).abs().amax(-1).median())
+        # x rounded to int8 per 32 columns (llama.cpp's Q8_0 x Q8_0) on top of
+        # bf16's rounding: 0.9-1.6x the dense bf16 model's error here
+        assert error(ours) < 2 * error(dense)
