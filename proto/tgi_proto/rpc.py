@@ -107,6 +107,11 @@ class Server:
                 task.add_done_callback(calls.discard)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client went away
+        except asyncio.CancelledError:
+            # stop() cancels it: ending normally, not cancelled, since asyncio's
+            # stream callback (Python 3.11) asks a cancelled task for its
+            # exception and logged a CancelledError traceback at every shutdown.
+            pass
         finally:
             for task in calls:
                 task.cancel()

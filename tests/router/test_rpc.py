@@ -153,3 +153,24 @@ def test_a_call_past_its_timeout_is_deadline_exceeded_and_its_late_answer_is_dro
             assert answer.generations[0].id == 2
 
     asyncio.run(scenario())
+
+
+def test_stopping_with_a_client_connected_logs_no_error(tmp_path, caplog):
+    """stop() ends the connection tasks it cancels quietly: on Python 3.11
+    asyncio's stream callback asks a cancelled task for its exception and
+    logged a CancelledError traceback at every shard shutdown."""
+    async def scenario():
+        async def health(request):
+            return pb.HealthResponse()
+
+        server, starting = serve(tmp_path / "s", Health=health)
+        await starting
+        channel = Channel(str(tmp_path / "s"))
+        await channel.call("Health", pb.HealthRequest())  # the connection is open and idle
+        await server.stop()
+        await asyncio.sleep(0.05)  # the stream callbacks run
+        await channel.close()
+
+    with caplog.at_level("DEBUG", logger="asyncio"):
+        asyncio.run(scenario())
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
