@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -79,13 +80,19 @@ async def launch(config: RouterConfig, env: Mapping[str, str], *,
     loop, state, group = asyncio.get_running_loop(), _State(), ShardGroup()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, state.on_signal, sig)
+    # The web stack (FastAPI, pydantic models: ~0.4 s of imports) loads on a
+    # thread while the shards start, instead of after they are ready.
+    router_module = None if serve is not None else asyncio.ensure_future(
+        asyncio.to_thread(importlib.import_module, "tgi_router.launch.server"))
     try:
         _log_start(config)
         code = await _start(config, env, group, command, ready, state)
         if code is None:
-            code = await _serve(config, group, serve, state)
+            code = await _serve(config, group, serve or (await router_module).serve_router, state)
         return code
     finally:
+        if router_module is not None:  # a thread cannot be cancelled: it ends before the shards stop
+            await asyncio.gather(router_module, return_exceptions=True)
         await group.stop(SHARD_STOP_TIMEOUT_S)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
@@ -143,9 +150,7 @@ def flash_attention_problem(info: Any) -> str | None:
             f"not a flash-style one; {device} needs {wanted}")
 
 
-async def _serve(config: RouterConfig, group: ShardGroup, serve: Serve | None, state: _State) -> int:
-    if serve is None:
-        from tgi_router.launch.server import serve_router as serve
+async def _serve(config: RouterConfig, group: ShardGroup, serve: Serve, state: _State) -> int:
     loop = asyncio.get_running_loop()
     log.info("Starting Webserver")
     router = state.router = asyncio.ensure_future(serve(config, state.shard_failed, state.shutdown))
