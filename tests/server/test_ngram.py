@@ -53,3 +53,29 @@ def test_incremental_index_matches_a_rescan_and_survives_dropped_drafts():
             tokens.extend(proposal)
             del tokens[len(tokens) - len(proposal):]
             tokens.extend(rng.randrange(6) for _ in range(rng.randrange(1, 4)))
+
+
+class _Words:
+    """A tokenizer of words, for the speculation benchmark's n-gram ceiling."""
+
+    def __init__(self):
+        self.ids: dict[str, int] = {}
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return "user: " + messages[0]["content"] + " assistant:"
+
+    def __call__(self, text, add_special_tokens):
+        class Encoded:
+            input_ids = [self.ids.setdefault(w, len(self.ids)) for w in text.split()]
+        return Encoded()
+
+
+def test_the_benchmarks_ceiling_counts_the_tokens_each_checked_step_keeps():
+    from benchmarks.speculate import SPECULATE, ngram_ceiling
+
+    assert SPECULATE == 7
+    copied = "a b c d e f g h i j"
+    # The prefill gives "a"; (j, a) occurred nowhere: one token ("b"); then (a, b) drafts c..i, all
+    # right, plus the token after them ("j"): 1 + 8 tokens in 2 steps.
+    assert ngram_ceiling(_Words(), (f"copy: {copied}",), [copied]) == 4.5
+    assert ngram_ceiling(_Words(), (f"copy: {copied}",), ["k l m n"]) == 1.0  # new words: one a step
