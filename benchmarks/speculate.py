@@ -26,7 +26,10 @@ per draft, from /metrics) and tokens per sequence and step; the headline
 speculate_c1_copy_speedup (goal >= 2.0), speculate_c32_plain_ratio (goal
 >= 0.97: never slower under load), speculate_c32_chat_ratio, and each
 proposer's acceptance rate on the copy workload at c1
-(speculate_{ngram,draft,medusa}_acceptance_rate); and
+(speculate_{ngram,draft,medusa}_acceptance_rate); the tokens a step that
+n-gram drafts would keep on the copy and code answers if every draft were
+checked (speculate_ngram_{copy,code}_c1_tokens_per_step_ceiling: the copy
+speedup's ceiling, set by the model's answers); and
 how many answers equal those without drafts, beside how many answers
 without drafts equal themselves from one turn to the next (in bf16 greedy
 answers depend on the batch, whose size picks the kernels: see
@@ -219,14 +222,14 @@ def _report(results: dict[str, dict], answers: dict, ceilings: dict[str, float])
     out["speculate_c8_copy_speedup"] = out["speculate_ngram_copy_c8_ratio"]
     out["speculate_c1_code_speedup"] = out["speculate_ngram_code_c1_ratio"]
     out["speculate_c32_plain_ratio"] = out["speculate_ngram_plain_c32_ratio"]
-    for workload, ceiling in ceilings.items():
-        out[f"speculate_ngram_{workload}_c1_tokens_per_step_ceiling"] = round(ceiling, 2)
-        print(f"{workload} at c1: n-gram drafts checked in full would keep {ceiling:.2f} tokens a step "
-              f"on the answers without drafts (the ceiling of its speedup)")
     out["speculate_c32_chat_ratio"] = out["speculate_ngram_chat_c32_ratio"]
     out["speculate_ngram_acceptance_rate"] = out["speculate_ngram_copy_c1_acceptance_rate"]
     out["speculate_draft_acceptance_rate"] = out["speculate_draft_copy_c1_acceptance_rate"]
     out["speculate_medusa_acceptance_rate"] = out["speculate_medusa_copy_c1_acceptance_rate"]
+    for workload, ceiling in ceilings.items():
+        out[f"speculate_ngram_{workload}_c1_tokens_per_step_ceiling"] = round(ceiling, 2)
+        print(f"{workload} at c1: n-gram drafts checked in full would keep {ceiling:.2f} tokens a step "
+              f"on the answers without drafts (the ceiling of its speedup)")
     for side, workload, c in (("ngram", "copy", 1), ("draft", "copy", 1), ("medusa", "copy", 1), ("ngram", "copy", 8),
                               ("ngram", "code", 1)):
         # drafting against not, turn by turn; and not drafting against itself (the batch's own variance)
