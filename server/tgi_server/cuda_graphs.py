@@ -21,10 +21,10 @@ little: what compiling takes away is Python's cost around ~15 ops a layer
 (module calls, attribute lookups, the context's dataclasses). Logits come out
 bit for bit the same at the same row count. SmolLM2 in bf16, 2 threads, AMD
 EPYC Zen 4: `make bench BENCH=engine` (whole steps over gRPC, a compiled and
-an eager shard taking turns) measured decode throughput 1.06x at batch 1,
-1.06x at 8, 1.03x at 32, 1.01x at 64; the forward alone (64 sequences or
-fewer at 200 tokens of context, alternated in one process) 1.09-1.15x at 1,
-1.06-1.09x at 8, 1.02-1.05x at 32 and 64. Compiling takes ~10 s a size on two
+an eager shard taking turns) measured decode throughput 1.17x at batch 1,
+1.11x at 8, 1.07x at 32, 1.05x at 64 (2026-12-06; 1.06 / 1.06 / 1.03 / 1.01x
+while dynamo still guarded on the model's modules at every step, 0.6-0.8 ms).
+Compiling takes ~10 s a size on two
 cores, once: inductor's caches live under the kernels' cache
 (`TORCHINDUCTOR_CACHE_DIR`, default ~/.cache/tgi_kernels/inductor/<machine>), and a
 restart takes ~3.5 s a size. One dynamic-shape graph for every size gave the
