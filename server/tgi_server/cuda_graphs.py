@@ -24,11 +24,10 @@ EPYC Zen 4: `make bench BENCH=engine` (whole steps over gRPC, a compiled and
 an eager shard taking turns) measured decode throughput 1.17x at batch 1,
 1.11x at 8, 1.07x at 32, 1.05x at 64 (2026-12-06; 1.06 / 1.06 / 1.03 / 1.01x
 while dynamo still guarded on the model's modules at every step, 0.6-0.8 ms).
-Compiling takes ~10 s a size on two
-cores, once: inductor's caches live under the kernels' cache
-(`TORCHINDUCTOR_CACHE_DIR`, default ~/.cache/tgi_kernels/inductor/<machine>), and a
-restart takes ~3.5 s a size. One dynamic-shape graph for every size gave the
-forward only 1.02-1.04x.
+Compiling takes ~10 s a size on two cores, once: inductor's caches live under
+the kernels' cache (`TORCHINDUCTOR_CACHE_DIR`, default
+~/.cache/tgi_kernels/inductor/<machine>), and a restart takes ~3 s a size.
+One dynamic-shape graph for every size gave the forward only 1.02-1.04x.
 """
 
 import logging
