@@ -3,9 +3,9 @@ in a fraction of the time.
 
 GGUFReader parses an array field element by element, through numpy.memmap
 slices (whose Python hooks run on every slice) and a recursive call per
-element: a 262k-token vocabulary (Gemma 3's tokens, scores and token types:
-786k elements) took ~3 s, SmolLM2's 49k tokens ~1 s, at every shard start.
-This reader reads from a plain-ndarray view of the same map, and parses
+element: SmolLM2's file (49k tokens, scores and token types) took 2.9 s, and
+0.7 s over a plain-ndarray view of the map, at every shard start; this
+reader takes 0.13 s (2026-12-06, Zen 4). It reads that view too, and parses
 arrays of scalars in one view and arrays of strings in one pass over the
 bytes, building each element's parts as GGUFReader does (one [1] array per
 scalar; a [1] uint64 length and its uint8 bytes per string), so that code
