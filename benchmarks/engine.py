@@ -43,7 +43,7 @@ THREADS = 2
 PROMPT_TOKENS = 128
 NEW_TOKENS = 128
 BATCHES = (1, 8, 32, 64)
-COMPILED_SIZES = (1, 2, 4, 8, 16, 32, 64)  # the launcher's default --cuda-graphs, and 64
+COMPILED_SIZES = (1, 2, 4, 8, 16, 32, 64)  # the shard's default --cuda-graphs on CPUs
 HF_SEQUENTIAL_PROMPTS = 4
 # The machines are shared and noisy: both sides report the best of repeated
 # runs (the baseline its best prompt of HF_SEQUENTIAL_PROMPTS, the engine its

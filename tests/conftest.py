@@ -12,9 +12,9 @@ import torch
 from .triton_interpreter import use_triton_interpreter
 
 use_triton_interpreter()  # before anything imports triton (torch._dynamo does)
-# Launchers in tests pass TGI's default --cuda-graphs to their shards, which on
-# the CPU compile a decode forward per size at Warmup (~10 s each on two
-# cores): tests run eagerly unless they ask (tests/server/test_cpu_compile.py).
+# Shards started by launchers in tests compile a decode forward per default
+# --cuda-graphs size at Warmup on the CPU (~10 s each on two cores): tests
+# run eagerly unless they ask (tests/server/test_cpu_compile.py).
 os.environ.setdefault("TGI_CPU_COMPILE", "0")
 
 

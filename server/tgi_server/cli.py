@@ -55,9 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV cache budget in bytes; 0 = a share of free memory at Warmup")
     serve.add_argument("--attention-backend", default=os.environ.get("TGI_ATTENTION_BACKEND") or None,
                        help="reference, sdpa, cpu, flash_attn or triton (env TGI_ATTENTION_BACKEND)")
-    serve.add_argument("--cuda-graphs", type=batch_sizes, default=(),
+    serve.add_argument("--cuda-graphs", type=batch_sizes, default=None,
                        help="decode batch sizes captured as CUDA graphs at Warmup, e.g. 1,2,4,8; on the CPU "
-                            "compiled by torch.compile instead (TGI_CPU_COMPILE=0: eager)")
+                            "compiled by torch.compile instead (TGI_CPU_COMPILE=0: eager); 0: none "
+                            "(default: 1,2,4,8,16,32 on CUDA, 1,2,4,8,16,32,64 on the CPU)")
     serve.add_argument("--num-threads", type=int, default=0, help="torch threads on CPU (0 = torch default)")
     serve.add_argument("--quantize", choices=QUANTIZE_METHODS, default=None,
                        help="gptq | awq | eetq (default: config.json's quantization_config)")

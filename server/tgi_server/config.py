@@ -21,7 +21,9 @@ class ShardConfig:
     world_size: int = 1
     master_addr: str = "localhost"  # where rank 0 hosts the tensor-parallel rendezvous
     master_port: int = 29500
-    cuda_graphs: tuple[int, ...] = ()  # decode batch sizes captured as CUDA graphs at Warmup (CUDA only)
+    # Decode batch sizes captured as CUDA graphs at Warmup (compiled on the
+    # CPU); None: the device's default (cuda_graphs.graph_batch_sizes).
+    cuda_graphs: tuple[int, ...] | None = ()
     rope: tuple[str, float] | None = None  # (scaling, factor) replacing the checkpoint's RoPE scaling
     cuda_memory_fraction: float = 1.0  # of a GPU's memory the shard may hold when Warmup sizes the cache
     watermark_gamma: float = 0.5  # green share of the vocabulary for requests with watermark: true

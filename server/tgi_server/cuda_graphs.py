@@ -28,10 +28,20 @@ Compiling takes ~10 s a size on two cores, once: inductor's caches live under
 the kernels' cache (`TORCHINDUCTOR_CACHE_DIR`, default
 ~/.cache/tgi_kernels/inductor/<machine>), and a restart takes ~3 s a size.
 One dynamic-shape graph for every size gave the forward only 1.02-1.04x.
+
+Padded rows cost the CPU their arithmetic, unlike a GPU's: SmolLM2's bf16
+step of 20 rows padded to 32 took 36.4 ms against 24.3 eager, 40 rows
+padded to 64 55.5 ms against 45.3. So Warmup times each compiled size
+against eager steps (`_calibrate`, ~1 s) and a step runs compiled only
+from the row count where padding costs less than compiling saves
+(`padding_floors`; SmolLM2 bf16 on 2 Zen 4 cores: 3 rows of 4, 5 of 8, 14
+of 16, 31 of 32, 63 of 64); fewer rows run eagerly.
 """
 
 import logging
+import math
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -45,18 +55,61 @@ from .layers.attention import ForwardContext
 log = logging.getLogger("tgi_server")
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # TGI's default for --cuda-graphs
+# On CPUs also 64: SmolLM2's bf16 decode step of 64 rows took 59.9 ms compiled
+# against 63.5 eager (2 cores), for ~3 s more at each start (~10 s the
+# first time); padding_floors keeps the rows between 33 and ~60 eager.
+CPU_DEFAULT_BATCH_SIZES = DEFAULT_BATCH_SIZES + (64,)
 COMPILE_ENV = "TGI_CPU_COMPILE"  # "0": CPU shards run decode steps eagerly
 FLASH_PAGED_BLOCK = 256  # flash-attn reads a paged cache only for block sizes divisible by this
 
 
-def graph_batch_sizes(requested: tuple[int, ...], max_batch_size: int) -> tuple[int, ...]:
-    """The requested sizes that a step can reach (<= max_batch_size), sorted."""
+def graph_batch_sizes(requested: tuple[int, ...] | None, max_batch_size: int,
+                      device: torch.device) -> tuple[int, ...]:
+    """The requested sizes (None: the device's default) that a step can reach
+    (<= max_batch_size), sorted."""
+    if requested is None:
+        requested = CPU_DEFAULT_BATCH_SIZES if device.type == "cpu" else DEFAULT_BATCH_SIZES
     return tuple(sorted({n for n in requested if 0 < n <= max_batch_size}))
 
 
 def padded_batch_size(sizes: tuple[int, ...], n: int) -> int | None:
     """The smallest captured size that holds n sequences; None if none does."""
     return next((size for size in sizes if size >= n), None)
+
+
+def padding_floors(sizes: tuple[int, ...], eager_ms: dict[int, float],
+                   compiled_ms: dict[int, float]) -> dict[int, int]:
+    """For each compiled size s: the fewest rows n (s + 1: none) whose step
+    runs compiled, padded to s rows, because that is expected to beat the
+    eager step of n rows; fewer rows run eagerly. eager_ms holds eager step
+    times at 1 row and at every size, compiled_ms compiled ones at every size.
+
+    What compiling saves is taken as one amount for every size (the median
+    of eager - compiled over the sizes: Python's cost around the ops, which
+    the row count hardly changes), what a padded row costs as the slope of
+    the eager times between s and the size below it. One median and one
+    slope over many rows resist the host's noise better than comparing each
+    size's two times, which differ by a few percent.
+
+    Padding is nearly free on a GPU (a decode step is bound by reading the
+    weights) but not on the CPU, where a dense model's GEMMs are bound by
+    arithmetic from ~8 rows: SmolLM2 in bf16 on 2 cores took 36.4 ms for 20
+    rows compiled and padded to 32, against 24.3 ms eager."""
+    ordered = sorted(sizes)
+    savings = sorted(eager_ms[size] - compiled_ms[size] for size in ordered)
+    saving = savings[len(savings) // 2]  # the upper median
+    floors, below = {}, 0  # below: the size before (0: none)
+    for size in ordered:
+        lo = max(below, 1)  # the measured row count below this size
+        slope = (eager_ms[size] - eager_ms[lo]) / (size - lo) if size > lo else 0.0  # ms a row
+        if saving <= 0:
+            floors[size] = size + 1
+        elif slope <= 0:
+            floors[size] = below + 1
+        else:
+            floors[size] = max(below + 1, math.ceil(size - saving / slope))
+        below = size
+    return floors
 
 
 def backend_supports_graphs(backend: str, block_size: int) -> bool:
@@ -140,6 +193,8 @@ class DecodeGraphs:
         for size in reversed(self.sizes):  # largest first: the smaller ones reuse its memory pool
             self.graphs[size] = (self._capture(size, pool) if mode == "capture" else
                                  self._compile(size) if mode == "compile" else self._eager(size))
+        # The fewest rows each size runs (padding_floors): measured where compiled.
+        self.floors = self._calibrate() if mode == "compile" else dict.fromkeys(self.sizes, 1)
 
     def _context(self, size: int) -> ForwardContext:
         # max_seq_len is the widest table: it only bounds the kernel's splits.
@@ -180,6 +235,33 @@ class DecodeGraphs:
         finally:
             torch.set_num_threads(previous)
         return run
+
+    def _calibrate(self, reps: int = 5) -> dict[int, int]:
+        """padding_floors from each size's step timed compiled and eagerly (and
+        one row eagerly), the fastest of `reps` runs each, taking turns, on the
+        padding rows (contexts of one token: attention costs a row the same
+        either way) under the thread count the sizes were compiled for."""
+        eager_ms, compiled_ms = {}, {}
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            for n in sorted({1, *self.sizes}):
+                def eager(n: int = n) -> None:
+                    self.forward(self.input_ids[:n], self._context(n))
+                runs = [(eager, eager_ms)] + ([(self.graphs[n], compiled_ms)] if n in self.graphs else [])
+                for fn, times in runs * reps:
+                    start = time.perf_counter()
+                    fn()
+                    times[n] = min(times.get(n, math.inf), 1000 * (time.perf_counter() - start))
+        finally:
+            torch.set_num_threads(previous)
+        floors = padding_floors(self.sizes, eager_ms, compiled_ms)
+        log.info("compiled decode steps against eager, ms: %s; a step runs compiled from %s rows up to each size "
+                 "(fewer: eagerly, padding would cost more than compiling saves)",
+                 ", ".join(f"{size}: {compiled_ms[size]:.2f} / {eager_ms[size]:.2f}" for size in self.sizes),
+                 ", ".join(f"{floors[size]} to {size}" if floors[size] <= size else f"none to {size}"
+                           for size in self.sizes))
+        return floors
 
     def _capture(self, size: int, pool) -> Callable[[], None]:
         ctx = self._context(size)
@@ -223,8 +305,11 @@ class DecodeGraphs:
 
     def can_run(self, batch: StepBatch) -> bool:
         """True for a pure-decode step that fits a captured size and table width
-        (and, compiled, runs under the thread count its size was compiled for)."""
-        return (batch.prefill is None and batch.decode is not None and batch.num_decode_tokens <= self.sizes[-1]
+        (and, compiled, has at least its size's floor of rows and runs under
+        the thread count its size was compiled for)."""
+        n = batch.num_decode_tokens
+        return (batch.prefill is None and batch.decode is not None and n <= self.sizes[-1]
+                and n >= self.floors[padded_batch_size(self.sizes, n)]
                 and batch.decode.block_tables.shape[1] <= self.max_blocks
                 and self.threads in (None, torch.get_num_threads()))
 

@@ -38,7 +38,8 @@ class ModelRunner:
     """grammars: compiles the grammars of constrained requests; None when the
     shard has no tokenizer (a grammar is then an invalid step) and on ranks
     > 0, which do not sample. cuda_graphs: decode batch sizes to capture at
-    Warmup (CUDA graphs on CUDA, compiled forwards on the CPU). memory_fraction: the share of a
+    Warmup (CUDA graphs on CUDA, compiled forwards on the CPU; None: the
+    device's default). memory_fraction: the share of a
     GPU's memory the shard may hold when Warmup sizes the cache itself
     (--cuda-memory-fraction). watermark: gamma and delta for requests that
     ask for the watermark (None: TGI's defaults). kv_cache_dtype: the KV
@@ -48,7 +49,7 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, block_size: int, attention_backend: str | None,
                  kv_cache_bytes: int, grammars: GrammarCompiler | None = None,
-                 cuda_graphs: tuple[int, ...] = (), memory_fraction: float = 1.0,
+                 cuda_graphs: tuple[int, ...] | None = (), memory_fraction: float = 1.0,
                  watermark: Watermark | None = None, kv_cache_dtype: torch.dtype | None = None):
         self.model = loaded.model
         self.config = loaded.config
@@ -126,7 +127,7 @@ class ModelRunner:
         """Decode steps for the requested sizes: CUDA graphs on CUDA with a
         backend that suits them, compiled forwards on the CPU with our C++
         kernels (cuda_graphs.py); None where neither applies."""
-        sizes = graph_batch_sizes(self.cuda_graph_sizes, max_batch_size)
+        sizes = graph_batch_sizes(self.cuda_graph_sizes, max_batch_size, self.device)
         if self.device.type not in ("cuda", "cpu") or not sizes:
             return None
         what = "CUDA graphs" if self.device.type == "cuda" else "compiled decode steps"

@@ -235,8 +235,7 @@ def test_shard_command_line_and_environment():
                          "--huggingface-hub-cache", "/data"], {})
     assert shard_command(config, 0) == [
         sys.executable, "-m", "tgi_server.cli", "serve", "org/m", "--uds-path", "/tmp/s", "--dtype",
-        "bfloat16", "--revision", "abc", "--kv-cache-bytes", str(1 << 30), "--num-threads", "2",
-        "--cuda-graphs", "1,2,4,8,16,32"]
+        "bfloat16", "--revision", "abc", "--kv-cache-bytes", str(1 << 30), "--num-threads", "2"]
     env = shard_env(config, 0, {"PATH": "/bin", "LOG_LEVEL": "debug"})
     assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "HF_HUB_CACHE",
                                 "HUGGINGFACE_HUB_CACHE", "PATH", "LOG_LEVEL")} == {

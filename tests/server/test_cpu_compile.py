@@ -52,6 +52,8 @@ def _decode_batch(runner, prompt_lens: list[int], block_tables: list[list[int]])
 @pytest.mark.slow
 def test_smollm2_float32_compiled_greedy_is_transformers_and_eager(tmp_path, smollm2_hf, compiling, monkeypatch):
     hf, tokenizer, gguf_path = smollm2_hf
+    # Every row count runs compiled, whatever each Warmup measures: padded steps are what this checks.
+    monkeypatch.setattr(cuda_graphs, "padding_floors", lambda sizes, *_: dict.fromkeys(sizes, 1))
     prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
     expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     with InProcessShard(_dir(tmp_path / "eager"), str(gguf_path), kv_cache_bytes=64 << 20) as shard:
@@ -77,6 +79,7 @@ def test_a_compiled_step_gives_the_eager_logits_whatever_its_padding(tmp_path, c
         runner = shard.runner
         runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_batch_size=8))
         assert runner.backend == "cpu" and runner.graphs is not None
+        runner.graphs.floors = {2: 1, 4: 1}  # pad whatever Warmup measured
         tables = [[1, 2, 3], [4, 5], [6]]
         for lens in ([40, 20, 9], [40]):  # 3 rows padded to 4, one padded to 2
             batch = _decode_batch(runner, lens, tables[:len(lens)])
@@ -84,6 +87,26 @@ def test_a_compiled_step_gives_the_eager_logits_whatever_its_padding(tmp_path, c
                 want = runner.model.logits(runner.model(batch.input_ids, runner._context(batch)), None)
                 got, _ = runner._logits(batch)  # (logits, normed hidden states with Medusa heads)
             torch.testing.assert_close(got, want)
+
+
+def test_warmup_measures_which_rows_each_size_runs_and_fewer_run_eagerly(tmp_path, compiling, caplog):
+    path = save_tiny_model("llama", tmp_path / "llama")
+    with InProcessShard(tmp_path, str(path), cuda_graphs=(2, 4)) as shard, caplog.at_level(logging.INFO, "tgi_server"):
+        runner = shard.runner
+        runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_batch_size=8))
+        graphs = runner.graphs
+        # Each size runs from some row count above the size below it (or none: size + 1).
+        assert set(graphs.floors) == {2, 4}
+        assert 1 <= graphs.floors[2] <= 3 and 3 <= graphs.floors[4] <= 5
+        assert any("a step runs compiled from" in r.getMessage() for r in caplog.records)
+        graphs.floors = {2: 1, 4: 4}  # three rows would cost more padded than eager
+        three = _decode_batch(runner, [40, 20, 9], [[1, 2, 3], [4, 5], [6]])
+        four = _decode_batch(runner, [40, 20, 9, 5], [[1, 2, 3], [4, 5], [6], [7]])
+        assert not graphs.can_run(three) and graphs.can_run(four)
+        with torch.inference_mode():
+            want = runner.model.logits(runner.model(three.input_ids, runner._context(three)), None)
+            got, _ = runner._logits(three)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)  # the eager path itself
 
 
 def test_a_failed_compile_decodes_eagerly_with_one_line(tmp_path, compiling, monkeypatch, caplog):

@@ -10,7 +10,8 @@ from tgi_router.launch.shard_processes import shard_command
 from tgi_server.batch import build_batch
 from tgi_server.cli import build_parser, config_from_args
 from tgi_server.config import ShardConfig
-from tgi_server.cuda_graphs import DecodeGraphs, backend_supports_graphs, graph_batch_sizes, padded_batch_size
+from tgi_server.cuda_graphs import (DecodeGraphs, backend_supports_graphs, graph_batch_sizes, padded_batch_size,
+                                    padding_floors)
 from tgi_server.sequences import ShardSequence
 from tgi_server.shard import load_shard
 
@@ -23,37 +24,72 @@ BLOCK = 16
 # --- the flag --------------------------------------------------------------------------
 
 
-def test_launcher_defaults_to_tgis_batch_sizes_and_passes_them_to_the_shards():
+def test_launcher_leaves_the_default_sizes_to_the_shard_and_passes_chosen_ones():
     config = parse_args([], {})
-    assert config.cuda_graphs == (1, 2, 4, 8, 16, 32)
-    command = shard_command(config, 0)
+    assert config.cuda_graphs is None and "--cuda-graphs" not in shard_command(config, 0)
+    command = shard_command(parse_args(["--cuda-graphs", "1,2,4,8,16,32"], {}), 0)
     assert command[command.index("--cuda-graphs") + 1] == "1,2,4,8,16,32"
+
+
+def test_the_shards_default_sizes_are_tgis_on_cuda_and_reach_64_on_cpus():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert graph_batch_sizes(None, 256, cuda) == (1, 2, 4, 8, 16, 32)
+    assert graph_batch_sizes(None, 256, cpu) == (1, 2, 4, 8, 16, 32, 64)
+    assert graph_batch_sizes(None, 48, cpu) == (1, 2, 4, 8, 16, 32)
 
 
 def test_launcher_flag_and_env_set_the_sizes_and_zero_turns_them_off():
     assert parse_args(["--cuda-graphs", "8,1,2"], {}).cuda_graphs == (1, 2, 8)
     assert parse_args([], {"CUDA_GRAPHS": "4"}).cuda_graphs == (4,)
     off = parse_args(["--cuda-graphs", "0"], {})
-    assert off.cuda_graphs == () and "--cuda-graphs" not in shard_command(off, 0)
+    command = shard_command(off, 0)
+    assert off.cuda_graphs == () and command[command.index("--cuda-graphs") + 1] == "0"
     assert "--cuda-graphs" not in off.ignored_flags
 
 
 def test_shard_flag_reaches_its_config():
     args = build_parser().parse_args(["serve", "m", "--cuda-graphs", "4,1"])
     assert config_from_args(args).cuda_graphs == (1, 4)
-    assert config_from_args(build_parser().parse_args(["serve", "m"])).cuda_graphs == ()
+    assert config_from_args(build_parser().parse_args(["serve", "m"])).cuda_graphs is None  # the device's default
+    assert config_from_args(build_parser().parse_args(["serve", "m", "--cuda-graphs", "0"])).cuda_graphs == ()
 
 
 # --- choosing a graph ---------------------------------------------------------------------
 
 
 def test_sizes_beyond_the_largest_batch_are_not_captured():
-    assert graph_batch_sizes((32, 1, 4, 2, 8, 16), max_batch_size=10) == (1, 2, 4, 8)
+    assert graph_batch_sizes((32, 1, 4, 2, 8, 16), 10, torch.device("cpu")) == (1, 2, 4, 8)
 
 
 def test_a_step_replays_the_smallest_graph_that_holds_it():
     sizes = (1, 2, 4, 8)
     assert [padded_batch_size(sizes, n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
+
+
+def test_a_size_runs_the_rows_whose_padding_costs_less_than_compiling_saves():
+    # Eager steps cost 5 ms flat up to 4 rows, then 0.5 ms a row; compiling
+    # saves 1 ms at every size: two rows' worth of padding.
+    eager = {1: 5.0, 2: 5.0, 4: 5.0, 8: 7.0, 16: 11.0, 32: 19.0}
+    compiled = {n: t - 1.0 for n, t in eager.items()}
+    assert padding_floors((1, 2, 4, 8, 16, 32), eager, compiled) == {1: 1, 2: 2, 4: 3, 8: 6, 16: 14, 32: 30}
+    # Saving 4 ms pads by up to 8 rows, never into the size below.
+    compiled = {n: t - 4.0 for n, t in eager.items()}
+    assert padding_floors((1, 2, 4, 8, 16, 32), eager, compiled) == {1: 1, 2: 2, 4: 3, 8: 5, 16: 9, 32: 24}
+    # The smallest size's line starts at one row, measured eagerly (1 ms a
+    # row up to 4: one row of padding; 0.5 ms a row up to 8: two).
+    assert padding_floors((4, 8), {1: 3.0, 4: 6.0, 8: 8.0}, {4: 5.0, 8: 7.0}) == {4: 3, 8: 6}
+
+
+def test_the_median_saving_decides_and_noise_in_one_size_does_not():
+    eager = {1: 5.0, 2: 5.0, 4: 5.0, 8: 7.0}
+    # One size measured slower compiled (a noisy moment) still runs compiled:
+    # the median of the savings is what compiling saves.
+    compiled = {1: 4.0, 2: 4.0, 4: 5.5, 8: 6.0}
+    assert padding_floors((1, 2, 4, 8), eager, compiled) == {1: 1, 2: 2, 4: 3, 8: 6}
+    # Compiling that saves nothing runs no size compiled.
+    assert padding_floors((1, 2), {1: 5.0, 2: 5.0}, {1: 5.0, 2: 5.5}) == {1: 2, 2: 3}
+    # Eager times that fall with the rows (noise where rows are free): pad them all.
+    assert padding_floors((2, 4), {1: 5.0, 2: 5.2, 4: 5.1}, {2: 4.0, 4: 4.0}) == {2: 1, 4: 3}
 
 
 def test_only_backends_that_read_block_tables_in_kernel_are_captured():

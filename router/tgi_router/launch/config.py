@@ -72,7 +72,9 @@ class RouterConfig:
     graceful_termination_timeout: int = 90      # seconds
     flash_attention: bool = False  # refuse to start without a flash-style attention backend
     disable_grammar_support: bool = False
-    cuda_graphs: tuple[int, ...] = (1, 2, 4, 8, 16, 32)  # decode batch sizes captured on CUDA; (): none
+    # Decode batch sizes captured on CUDA (compiled on CPUs); (): none; None:
+    # the device's default, chosen by the shard (TGI's 1..32 on CUDA, 1..64 on CPUs).
+    cuda_graphs: tuple[int, ...] | None = None
     rope_scaling: str | None = None  # overrides the checkpoint's RoPE scaling (with rope_factor)
     rope_factor: float | None = None
     cuda_memory_fraction: float = 1.0  # of each GPU's memory a shard may hold (KV cache sized at Warmup)
@@ -220,7 +222,9 @@ _FLAGS = (
           "cache what is free beyond (1 - fraction) of the total; no effect on CPU (default: 1.0)"),
     _Flag("cuda_graphs", _batch_sizes, "decode batch sizes captured as CUDA graphs at warmup, "
           "e.g. 1,2,4,8; on CPUs the same sizes run decode steps compiled by torch.compile (TGI_CPU_COMPILE=0: "
-          "eager); 0 turns both off (default: 1,2,4,8,16,32)"),
+          "eager); 0 turns both off (default: 1,2,4,8,16,32; on CPUs 1,2,4,8,16,32,64, where a step "
+          "of fewer rows than a size runs eagerly when Warmup measured its padding to cost more than "
+          "compiling saves)"),
     # Ours.
     _Flag("speculative_model", str, "[ours] speculation drafts from this model (a directory, .gguf file or hub "
           "id that shares the model's tokenizer), run in each shard with its own K/V in the same blocks, "

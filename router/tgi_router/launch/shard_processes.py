@@ -44,7 +44,9 @@ def shard_command(config: RouterConfig, rank: int) -> list[str]:
                                      if config.num_shard > 1 else 0)
     for flag, value in (("--dtype", config.dtype), ("--revision", config.revision), ("--quantize", config.quantize),
                         ("--kv-cache-bytes", config.kv_cache_bytes), ("--num-threads", threads),
-                        ("--cuda-graphs", ",".join(map(str, config.cuda_graphs))),
+                        # None: the shard's default for its device; (): "0", none.
+                        ("--cuda-graphs", None if config.cuda_graphs is None
+                         else ",".join(map(str, config.cuda_graphs)) or "0"),
                         ("--kv-cache-dtype", config.kv_cache_dtype),
                         ("--speculative-model", config.speculative_model)):
         if value:
