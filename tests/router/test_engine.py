@@ -1,13 +1,21 @@
 """The engine's step loop with a fake shard client (no model)."""
 
 import asyncio
+import time
+from types import SimpleNamespace
+from unittest.mock import Mock
+
+import pytest
 
 from tgi_proto import pb
+from tgi_router.errors import ValidationError
+from tgi_router.scheduling import engine as engine_module
 from tgi_router.scheduling.block_manager import BlockManager
 from tgi_router.scheduling.engine import Engine
 from tgi_router.scheduling.scheduler import Scheduler
 from tgi_router.scheduling.sequence import FinishReason, Sequence, StoppingCriteria
 from tgi_router.telemetry.metrics import Metrics
+from tgi_router.web.admission import Gate, ServerState
 
 from .fake_kv_shard import FakeKVShard
 
@@ -85,3 +93,46 @@ def test_engine_reports_prefix_cache_blocks_and_chunks():
     assert m["tgi_request_prefill_chunks_count"] == 2 and m["tgi_request_prefill_chunks_sum"] == 3 + 1
     assert m["tgi_kv_cache_blocks_used"] == 0 and m["tgi_kv_cache_blocks_free"] == 16
     assert m["tgi_kv_cache_blocks_cached"] == 2
+
+
+def test_an_idle_engine_waits_for_requests_still_being_validated_but_not_long(monkeypatch):
+    """A burst's first step takes the requests validated alongside the one
+    that woke the engine; a lone request does not wait at all."""
+    async def go():
+        engine = Engine(FakeClient(), Scheduler(BlockManager(8, 4), max_batch_tokens=64))
+        start = time.perf_counter()
+        await engine.gather()
+        assert time.perf_counter() - start < 0.005  # nothing being validated
+        engine.validating = 1
+        waiting = asyncio.create_task(engine.gather())
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        engine.validating = 0
+        await asyncio.wait_for(waiting, 0.05)
+        monkeypatch.setattr(engine_module, "GATHER_S", 0.02)
+        engine.validating = 1  # a validation that takes long
+        start = time.perf_counter()
+        await engine.gather()
+        assert 0.02 <= time.perf_counter() - start < 0.2
+    asyncio.run(go())
+
+
+def test_the_routes_count_requests_being_validated_whatever_the_outcome():
+    engine = Engine(FakeClient(), Scheduler(BlockManager(8, 4), max_batch_tokens=64))
+    gate = Gate(engine, SimpleNamespace(max_concurrent_requests=4), Mock(), ServerState())
+    seen = []
+
+    def prepare():
+        seen.append(engine.validating)
+        return []
+
+    def invalid():
+        seen.append(engine.validating)
+        raise ValidationError("bad input")
+
+    async def go():
+        await gate.admit(prepare)
+        with pytest.raises(ValidationError):
+            await gate.admit(invalid)
+    asyncio.run(go())
+    assert seen == [1, 1] and engine.validating == 0

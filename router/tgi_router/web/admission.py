@@ -87,6 +87,7 @@ class Gate:
             self.metrics.request_failed("overloaded")
             raise OverloadedError()
         self.state.in_flight += 1  # held until Admitted.close()
+        self.engine.validating += 1  # an idle engine's first step waits for it (Engine.gather)
         try:
             valid = await asyncio.to_thread(prepare)
         except BaseException as err:
@@ -94,6 +95,8 @@ class Gate:
             if isinstance(err, TGIError):
                 self.metrics.request_failed("validation")
             raise
+        finally:
+            self.engine.validating -= 1
         validated = time.perf_counter()
         trace = request_span.get()
         if trace is not None:
