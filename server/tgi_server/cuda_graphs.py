@@ -29,9 +29,11 @@ the kernels' cache (`TORCHINDUCTOR_CACHE_DIR`, default
 ~/.cache/tgi_kernels/inductor/<machine>), and a restart takes ~3 s a size.
 One dynamic-shape graph for every size gave the forward only 1.02-1.04x.
 
-Padded rows cost the CPU their arithmetic, unlike a GPU's: SmolLM2's bf16
-step of 20 rows padded to 32 took 36.4 ms against 24.3 eager, 40 rows
-padded to 64 55.5 ms against 45.3. So Warmup times each compiled size
+Padded rows cost the CPU their arithmetic, where a GPU's decode step is
+bound by reading the weights and pads nearly for free: a dense model's CPU
+GEMMs are bound by arithmetic from ~8 rows, and SmolLM2's bf16 step of 20
+rows padded to 32 took 36.4 ms against 24.3 eager, 40 rows padded to 64
+55.5 ms against 45.3. So Warmup times each compiled size
 against eager steps (`_calibrate`, ~1 s) and a step runs compiled only
 from the row count where padding costs less than compiling saves
 (`padding_floors`; SmolLM2 bf16 on 2 Zen 4 cores: 3 rows of 4, 5 of 8, 14
@@ -89,12 +91,8 @@ def padding_floors(sizes: tuple[int, ...], eager_ms: dict[int, float],
     the row count hardly changes), what a padded row costs as the slope of
     the eager times between s and the size below it. One median and one
     slope over many rows resist the host's noise better than comparing each
-    size's two times, which differ by a few percent.
-
-    Padding is nearly free on a GPU (a decode step is bound by reading the
-    weights) but not on the CPU, where a dense model's GEMMs are bound by
-    arithmetic from ~8 rows: SmolLM2 in bf16 on 2 cores took 36.4 ms for 20
-    rows compiled and padded to 32, against 24.3 ms eager."""
+    size's two times, which differ by a few percent. (Why padding costs on
+    the CPU: the module's docstring.)"""
     ordered = sorted(sizes)
     savings = sorted(eager_ms[size] - compiled_ms[size] for size in ordered)
     saving = savings[len(savings) // 2]  # the upper median
