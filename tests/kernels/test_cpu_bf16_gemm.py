@@ -56,6 +56,26 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_batch():
         assert torch.equal(ops.bf16_mm(x[i:i + 1].contiguous(), lanes, 960, None)[0], batched[i])
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_rows_in_several_chunks_get_the_bits_they_get_alone(threads):
+    """Past 128 rows at K = 1024 the GEMMs take x a chunk of rows at a time
+    (kChunkBytes): every row, in the first, a middle and the last, partial
+    chunk, is still computed whole, and alike."""
+    w, x, bias = operands(96, 1024, 300)
+    lanes, gated = pack_bf16_lanes(w), gate_up_in_turn(pack_bf16_lanes(w))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        plain, fused = ops.bf16_mm(x, lanes, 96, bias), ops.bf16_mm_gated(x, gated, 48, bias, "silu")
+    finally:
+        torch.set_num_threads(before)
+    assert rel_err(plain, x.float() @ w.float().T + bias.float()) < 1e-2
+    for i in (0, 127, 128, 200, 255, 256, 299):
+        row = x[i:i + 1].contiguous()
+        assert torch.equal(ops.bf16_mm(row, lanes, 96, bias)[0], plain[i])
+        assert torch.equal(ops.bf16_mm_gated(row, gated, 48, bias, "silu")[0], fused[i])
+
+
 @pytest.mark.parametrize("threads", [2, 3, 7])
 def test_any_thread_count_gives_every_column_once_and_the_same_bits(threads):
     """Threads take column blocks from their own share and steal the back
