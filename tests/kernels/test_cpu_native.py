@@ -182,6 +182,34 @@ def test_exp_block_sums_match_float64_and_do_not_depend_on_the_batch(with_temper
 
 
 @needs_ops
+@pytest.mark.parametrize("vocab", [49152, 1000, 37])
+def test_greedy_rows_take_the_first_maximum_and_the_logsumexp_whatever_the_batch(vocab):
+    x = (torch.randn(6, vocab, generator=torch.Generator().manual_seed(3)) * 4).bfloat16()
+    x[1, vocab // 3] = x[1, vocab - 1] = x[1].max() + 1  # a tie: the lower id wins
+    x[2] = x[2].clamp(max=0.5)  # many ties at the maximum, the first in the first block
+    x[4, :vocab - 1] = float("-inf")  # one finite logit, the last
+    tokens, lse = ops.greedy_rows(x, None)
+    assert tokens.tolist() == x.float().argmax(dim=1).tolist()
+    assert tokens[1] == vocab // 3 and tokens[4] == vocab - 1
+    torch.testing.assert_close(lse.double(), torch.logsumexp(x.double(), dim=1), rtol=2e-6, atol=0)
+    # The float32 copy gives the same bits; so does each row alone, on 1 thread or 2.
+    assert all(torch.equal(a, b) for a, b in zip(ops.greedy_rows(x.float(), None), (tokens, lse)))
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for r in (0, 4, 5):
+                alone = ops.greedy_rows(x, torch.tensor([r]))
+                assert alone[0][0] == tokens[r] and torch.equal(alone[1][0], lse[r])
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="row index"):
+        ops.greedy_rows(x, torch.tensor([6]))
+    with pytest.raises(RuntimeError, match="float32 or bf16"):
+        ops.greedy_rows(x.half(), None)
+
+
+@needs_ops
 def test_torch_compile_traces_the_ops_by_their_fakes():
     # The kernels are registered for the CPU key with fakes (native_fakes.py):
     # inductor traces them as opaque calls in one graph, in-place update of

@@ -76,6 +76,23 @@ def test_greedy_rows_ignore_temperature_and_warpers():
     assert [lp for _, lp in out.top_tokens[0]] == pytest.approx(raw.topk(3).values.tolist(), abs=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_greedy_row_chooses_the_same_bits_in_an_all_greedy_batch_and_beside_others(dtype):
+    """A batch of greedy rows and nothing to change goes straight from the
+    logits (no float32 copy); beside a sampling row, a penalized row or a
+    top-n request it goes BlockedRows' way: the greedy rows' tokens and
+    logprobs are the same bits either way."""
+    logits = rand_logits(4, v=49152, seed=5, scale=4.0).to(dtype)
+    greedy = sample(logits, [SamplingParams()] * 4)
+    for other in (SamplingParams(do_sample=True, seed=3), SamplingParams(repetition_penalty=1.3),
+                  SamplingParams(top_n_tokens=2)):
+        mixed = sample(logits, [SamplingParams()] * 3 + [other])
+        assert mixed.token_ids[:3] == greedy.token_ids[:3] and mixed.logprobs[:3] == greedy.logprobs[:3]
+    assert greedy.token_ids == logits.float().argmax(dim=1).tolist()
+    torch.testing.assert_close(torch.tensor(greedy.logprobs),
+                               torch.log_softmax(logits.double(), dim=1).max(dim=1).values.float())
+
+
 def test_input_logits_are_left_untouched():
     logits = rand_logits(3)
     before = logits.clone()

@@ -20,8 +20,8 @@ import torch
 from .logits_warpers import filter_candidates, filters
 from .penalties import apply_penalties
 from .sampling_params import SamplingParams
-from .vocab_blocks import (BLOCK, CPU_CHUNK_ROWS, NEG_INF, BlockedRows, argsort_rows, exp_rows, padded_width,
-                           to_device)
+from .vocab_blocks import (BLOCK, CPU_CHUNK_ROWS, NEG_INF, BlockedRows, argsort_rows, exp_rows, greedy_rows,
+                           padded_width, to_device)
 from .watermark import Watermark
 
 __all__ = ["LogitsProcessor", "Sampler", "SamplerOutput", "SamplingParams", "draw_uniform",
@@ -79,7 +79,16 @@ class Sampler:
             return SamplerOutput([], [], [])
         pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]
         marked = [i for i, p in enumerate(params) if p.watermark]
-        x = self._working_copy(logits, bool(pen_rows or processors or marked))  # [B, W]
+        writes = bool(pen_rows or processors or marked)
+        if not writes and not any(p.do_sample or p.top_n_tokens for p in params):
+            # Every row greedy and nothing to change: straight from the logits
+            # (no float32 copy of the batch), as _greedy would choose.
+            chosen = greedy_rows(logits, None)
+            if chosen is not None:
+                tokens, lse = chosen
+                logprobs = logits.gather(1, tokens.unsqueeze(1)).squeeze(1).float() - lse
+                return _output([(list(range(batch)), tokens, logprobs, None)], params, batch)
+        x = self._working_copy(logits, writes)  # [B, W]
         # TGI's order: the watermark's bias, then the penalties, then processors.
         self.watermark.apply(x, marked, [token_ids[i][-1] for i in marked], vocab)
         apply_penalties(x, pen_rows, params, token_ids, prompt_lens)
@@ -170,14 +179,17 @@ def _top_n_wanted(rows: list[int], params: Sequence[SamplingParams]) -> int:
 def _greedy(xb: BlockedRows, rows: list[int], params: Sequence[SamplingParams]) -> Group:
     """Argmax of the batch rows `rows`."""
     index = _index(rows, xb.x)
-    tokens = xb.argmax(index)  # [R]
-    lse = xb.log_normalizers(_subset(index, xb)).unsqueeze(1)  # [R, 1]
-    logprobs = xb.values(index, tokens.unsqueeze(1)) - lse
+    chosen = greedy_rows(xb.x[:, :xb.vocab], _subset(index, xb))
+    if chosen is None:
+        tokens, lse = xb.argmax(index), xb.log_normalizers(_subset(index, xb))  # [R], [R]
+    else:
+        tokens, lse = chosen
+    logprobs = xb.values(index, tokens.unsqueeze(1)).squeeze(1) - lse
     top = None
     if n := _top_n_wanted(rows, params):
         vals, ids = xb.top_n(index, n)
-        top = (vals - lse, ids)
-    return rows, tokens, logprobs.squeeze(1), top
+        top = (vals - lse.unsqueeze(1), ids)
+    return rows, tokens, logprobs, top
 
 
 def _uniform_column(rows: list[int], uniforms: dict[int, float], device) -> torch.Tensor:

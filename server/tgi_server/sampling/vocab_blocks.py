@@ -15,6 +15,8 @@ short [R, NB] tensor), so each output is computed by the same loop whatever
 the other rows; a whole-row reduction of a single row would instead be split
 across threads and round differently than inside a batch."""
 
+from functools import cached_property
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -63,6 +65,19 @@ def topk_desc(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x.gather(1, index), index
 
 
+def greedy_rows(x: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The greedy choice of rows [R] (None: all) of x [B, V] (float32 or bf16,
+    unit last stride) in one pass over each row (csrc/vocab.cpp): (the first
+    index of each row's maximum [R] int64, its logsumexp [R] float32). None
+    where our kernel does not run (off the CPU, no build): the caller then
+    takes BlockedRows' way. A row's results depend on its logits alone, the
+    same from bf16 logits as from their float32 copy."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.stride(1) != 1:
+        return None
+    ops = native_ops()
+    return None if ops is None else ops.greedy_rows(x, rows)
+
+
 def exp_rows(x: torch.Tensor) -> torch.Tensor:
     """exp of x [R, W], computed on rows padded to a multiple of BLOCK.
 
@@ -93,9 +108,23 @@ class BlockedRows:
                  chunk: torch.Tensor):
         self.x, self.vocab, self.temperature, self.chunk = x, vocab, temperature, chunk
         self.blocks = x.view(x.shape[0], -1, BLOCK)  # [B, NB, BLOCK]
-        self.raw_bmax = self.blocks.amax(dim=2)  # [B, NB] of x
-        self.bmax = self.raw_bmax if temperature is None else self.raw_bmax / temperature  # [B, NB]
-        self.top = self.bmax.amax(dim=1)  # [B] row maxima of the final logits
+
+    # The block maxima are a pass over every row: made when first asked for
+    # (greedy rows on our kernel never ask).
+    @cached_property
+    def raw_bmax(self) -> torch.Tensor:
+        """[B, NB] block maxima of x."""
+        return self.blocks.amax(dim=2)
+
+    @cached_property
+    def bmax(self) -> torch.Tensor:
+        """[B, NB] block maxima of the final logits."""
+        return self.raw_bmax if self.temperature is None else self.raw_bmax / self.temperature
+
+    @cached_property
+    def top(self) -> torch.Tensor:
+        """[B] row maxima of the final logits."""
+        return self.bmax.amax(dim=1)
 
     @property
     def num_blocks(self) -> int:
