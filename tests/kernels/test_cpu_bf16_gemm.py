@@ -76,6 +76,14 @@ def test_rows_in_several_chunks_get_the_bits_they_get_alone(threads):
         assert torch.equal(ops.bf16_mm_gated(row, gated, 48, bias, "silu")[0], fused[i])
 
 
+def test_no_rows_give_empty_outputs():
+    w, _, bias = operands(96, 64, 0)
+    lanes = pack_bf16_lanes(w)
+    none = torch.empty(0, 64, dtype=torch.bfloat16)
+    assert ops.bf16_mm(none, lanes, 96, bias).shape == (0, 96)
+    assert ops.bf16_mm_gated(none, gate_up_in_turn(lanes), 48, bias, "silu").shape == (0, 48)
+
+
 @pytest.mark.parametrize("threads", [2, 3, 7])
 def test_any_thread_count_gives_every_column_once_and_the_same_bits(threads):
     """Threads take column blocks from their own share and steal the back

@@ -42,15 +42,26 @@ constexpr int64_t kChunkBytes = 256 * 1024, kMinChunkTiles = 16;
 
 inline int64_t chunk_tiles(int64_t K) { return std::max<int64_t>(kMinChunkTiles, kChunkBytes / (2 * K * kRows)); }
 
+// x's row tiles in chunks of chunk_tiles(K): a work item runs chunk c's
+// tiles [first(c), end(c)) against one pair of blocks. No rows: no chunks.
+struct RowChunks {
+  int64_t tiles, per, count;
+  RowChunks(int64_t M, int64_t K)
+      : tiles((M + kRows - 1) / kRows), per(std::max<int64_t>(1, std::min(tiles, chunk_tiles(K)))),
+        count((tiles + per - 1) / per) {}
+  int64_t first(int64_t c) const { return c * per; }
+  int64_t end(int64_t c) const { return std::min(tiles, (c + 1) * per); }
+};
+
 void gemm(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, int64_t M, int64_t K, int64_t N,
           int64_t blocks, c10::BFloat16* y) {
-  const int64_t tiles = (M + kRows - 1) / kRows, per = std::min(tiles, chunk_tiles(K));
-  const int64_t chunks = (tiles + per - 1) / per, pairs = (blocks + 1) / 2;
+  const RowChunks chunks(M, K);
+  const int64_t pairs = (blocks + 1) / 2;
   // Items (chunk, pair of blocks: 32 columns) to the threads, chunk by
   // chunk; an odd last block goes alone.
-  parallel_steal(chunks * pairs, [&](int64_t item) {
-    const int64_t pair = item % pairs, c = item / pairs;
-    const int64_t b = 2 * pair, n0 = b * kLanes, t0 = c * per, t1 = std::min(tiles, t0 + per);
+  parallel_steal(chunks.count * pairs, [&](int64_t item) {
+    const int64_t pair = item % pairs, c = item / pairs, t0 = chunks.first(c), t1 = chunks.end(c);
+    const int64_t b = 2 * pair, n0 = b * kLanes;
     const c10::BFloat16* wb = w + b * K * kLanes;
     // The next pair of blocks (the last pair: none) loads while this one's
     // row tiles run (ahead_slice): it reached L2 only once the first tile
@@ -81,10 +92,10 @@ void gemm(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, int
 template <typename Act>
 void gemm_gated(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, int64_t M, int64_t K, int64_t n,
                 c10::BFloat16* y) {
-  const int64_t tiles = (M + kRows - 1) / kRows, per = std::min(tiles, chunk_tiles(K));
-  const int64_t chunks = (tiles + per - 1) / per, pairs = n / kLanes;
-  parallel_steal(chunks * pairs, [&](int64_t item) {
-    const int64_t j = item % pairs, c = item / pairs, t0 = c * per, t1 = std::min(tiles, t0 + per);
+  const RowChunks chunks(M, K);
+  const int64_t pairs = n / kLanes;
+  parallel_steal(chunks.count * pairs, [&](int64_t item) {
+    const int64_t j = item % pairs, c = item / pairs, t0 = chunks.first(c), t1 = chunks.end(c);
     const c10::BFloat16* wb = w + 2 * j * K * kLanes;
     const int64_t next = j + 1 < pairs ? 2 : 0;
     const __m512 bias_gate = bias ? _mm512_loadu_ps(bias + j * kLanes) : _mm512_setzero_ps();
