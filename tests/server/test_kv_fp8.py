@@ -6,8 +6,9 @@ either format: `make bench BENCH=kv_fp8`.)
 
 Logprobs here come from chunked prefills (`chunked_logprobs`): a chunk's own
 keys are the step's fresh ones, so a single prefill of the whole text would
-never read the cache; in chunks of a few tokens nearly every key is read
-back from the float8 blocks, as decode reads them."""
+never read the cache; in chunks of a few tokens most keys are read back from
+the float8 blocks (the benchmark feeds its text one token a step, as decode
+reads the cache)."""
 
 from pathlib import Path
 
