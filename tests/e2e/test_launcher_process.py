@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,6 +24,21 @@ def model(tmp_path_factory):
 def shard_pid(proc: subprocess.Popen) -> int:
     out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     return int(out[0])
+
+
+def huge_pages_expected() -> bool:
+    """Transparent huge pages are not off here, and the C library is a glibc
+    (2.35+) that reads glibc.malloc.hugetlb."""
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+        name, _, version = os.confstr("CS_GNU_LIBC_VERSION").partition(" ")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return "[never]" not in mode and name == "glibc" and tuple(map(int, version.split(".")[:2])) >= (2, 35)
+
+
+def anon_huge_kb(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/smaps_rollup").read_text().split("AnonHugePages:")[1].split()[0])
 
 
 def test_bad_flag_is_one_line_exit_2(tmp_path):
@@ -69,7 +85,8 @@ def test_killed_shard_fails_requests_turns_health_503_and_exits_nonzero(model, t
 
 @pytest.mark.slow
 def test_default_model_answers_with_real_text(tmp_path):
-    """SmolLM2 through the whole stack: launcher, router, shard."""
+    """SmolLM2 through the whole stack: launcher, router, shard (its large
+    allocations on huge pages where the host has them)."""
     proc, url = launch(None, tmp_path, "--num-threads", "2", "--kv-cache-bytes", "64MiB")
     try:
         prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -82,6 +99,8 @@ def test_default_model_answers_with_real_text(tmp_path):
                 "max_new_tokens": 20}}, timeout=120) as s:
             events = [line for line in s.iter_lines() if line.startswith("data:")]
         assert "Paris" in events[-1]
+        if huge_pages_expected():  # the weights and KV cache on huge pages (shard_processes.shard_env)
+            assert anon_huge_kb(shard_pid(proc)) > 64 << 10
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0

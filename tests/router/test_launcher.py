@@ -243,6 +243,16 @@ def test_shard_command_line_and_environment():
         "HF_HUB_CACHE": "/data", "HUGGINGFACE_HUB_CACHE": "/data", "PATH": "/bin", "LOG_LEVEL": "INFO"}
 
 
+@pytest.mark.parametrize("tunables,passed", [
+    (None, "glibc.malloc.hugetlb=1"),
+    ("glibc.malloc.arena_max=2", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),
+    ("glibc.malloc.hugetlb=0", "glibc.malloc.hugetlb=0"),
+])
+def test_shards_get_malloc_s_huge_pages_unless_the_user_said(tunables, passed):
+    base = {"PATH": "/bin"} | ({"GLIBC_TUNABLES": tunables} if tunables else {})
+    assert shard_env(parse_args(["--model-id", "org/m"], {}), 0, base)["GLIBC_TUNABLES"] == passed
+
+
 @pytest.mark.parametrize("argv,env,passed", [
     ([], {}, None),
     (["--kv-cache-dtype", "fp8_e4m3fn"], {}, "fp8_e4m3fn"),
