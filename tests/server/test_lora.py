@@ -113,3 +113,33 @@ def test_adapters_on_an_eetq_quantized_base(lora_model, tmp_path):
         assert {m.kernel for m in shard.runner.model.modules() if isinstance(m, QuantLinear)} == {"int8"}
         seqs = asyncio.run(run_prompts(shard.socket, prompts, NEW_TOKENS, adapters=adapters))
     assert [s.generated_ids for s in seqs] == expected
+
+
+def test_short_runs_take_the_cpu_kernel_and_long_ones_the_gemms_with_the_same_result():
+    """LoraLinear on the CPU: runs under GEMM_ROWS rows go to the C++ kernel
+    in one call, longer ones (a prefill's) to a GEMM pair each; either way
+    every run gets its adapter's delta, as the all-torch path computes it."""
+    from torch import nn
+
+    from tgi_server.layers.lora import GEMM_ROWS, AdapterSet, LoraLinear
+
+    torch.manual_seed(0)
+    base = nn.Linear(48, 80, bias=False)
+    deltas = {1: (torch.randn(6, 48), torch.randn(80, 6)), 3: (torch.randn(3, 48), torch.randn(80, 3))}
+    adapters = AdapterSet([])
+    layer = LoraLinear(base, deltas, 3, adapters.batch, None, torch.float32, torch.device("cpu"))
+    x = torch.randn(GEMM_ROWS + 20, 48)
+    adapters.set_segments([(1, 0, GEMM_ROWS + 2), (3, GEMM_ROWS + 2, GEMM_ROWS + 9), (2, GEMM_ROWS + 9, GEMM_ROWS + 12),
+                           (1, GEMM_ROWS + 12, GEMM_ROWS + 15)])
+    assert adapters.batch.long == [(1, 0, GEMM_ROWS + 2)] and len(adapters.batch.short) == 3
+    want = base(x)
+    for index, start, stop in adapters.batch.segments:
+        if index in deltas:
+            a, b = deltas[index]
+            want[start:stop] += x[start:stop] @ a.t() @ b.t()
+    with torch.no_grad():
+        got = layer(x)
+        layer.native = None
+        torch_only = layer(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch_only, want, rtol=1e-5, atol=1e-5)

@@ -6,7 +6,11 @@ tokens use, its low-rank delta on that adapter's tokens only. The step's
 batch lists its sequences grouped by adapter (batch.build_batch), so an
 adapter's tokens are one or two contiguous runs of rows (its decodes, its
 prefills): per run, one GEMM x A^T and one addmm of B into the output
-rows, in place; nothing loops over tokens or gathers them.
+rows, in place; nothing loops over tokens or gathers them. On the CPU one
+C++ call per layer does every run of fewer than GEMM_ROWS rows
+(csrc/lora.cpp): torch's GEMM pairs cost ~35-70 us each at decode's sizes,
+~40 ms of a 32-row decode step of SmolLM2 with 4 adapters on every linear
+(the step itself: ~32 ms); the kernel's calls take ~6 ms.
 
 Tensor parallelism: a column-parallel layer (q/k/v, gate/up: rows of the
 output split over the ranks) keeps A whole and its rows of B; a
@@ -17,22 +21,39 @@ one all-reduce adds up with the base's.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
+
+from tgi_kernels.native import native_ops
 
 from ..distributed import TensorParallel
 from ..weights.errors import CheckpointError
 from ..weights.lora_adapters import Adapter
 
 
+# Runs of at least this many rows go to torch's GEMMs on the CPU too: a 4,096-row
+# prefill of SmolLM2 with 4 adapters on every linear took 2.2-2.3 s that way against
+# 2.7 s all through the C++ kernel (the base model alone: 1.9 s), while below it
+# the GEMMs' fixed cost per call dominates.
+GEMM_ROWS = 64
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # csrc/lora.cpp's (float64 takes the GEMMs)
+KERNEL_MAX_RANK = 1024  # csrc/lora.cpp's kMaxRank: a layer's rank per adapter (a fused layer's parts summed)
+
+
 class LoraBatch:
     """The current step's tokens grouped by adapter: segments = [(adapter
     index (1-based), first row, end row)], runs of the flat batch (which
     batch.build_batch orders by adapter: one run of decodes and one of
-    prefills per adapter); empty when every token runs the base model."""
+    prefills per adapter); empty when every token runs the base model.
+    short: those of fewer than GEMM_ROWS rows as int64 [S, 3] (the C++
+    kernel's); long: the others."""
 
     def __init__(self):
         self.segments: list[tuple[int, int, int]] = []
+        self.short = torch.empty(0, 3, dtype=torch.int64)
+        self.long: list[tuple[int, int, int]] = []
 
 
 class AdapterSet:
@@ -77,6 +98,8 @@ class AdapterSet:
     def set_segments(self, segments: list[tuple[int, int, int]]) -> None:
         """The step's (adapter index > 0, first row, end row) runs."""
         self.batch.segments = segments
+        self.batch.short = torch.tensor([r for r in segments if r[2] - r[1] < GEMM_ROWS], dtype=torch.int64).reshape(-1, 3)
+        self.batch.long = [r for r in segments if r[2] - r[1] >= GEMM_ROWS]
 
 
 class LoraLinear(nn.Module):
@@ -87,8 +110,12 @@ class LoraLinear(nn.Module):
     into B. A fused layer (q/k/v, gate/up) stacks the A of every part the
     adapter targets (R = the sum of their ranks) and places each part's B
     in its own output rows and rank columns (zeros elsewhere): one pair of
-    GEMMs per run whichever parts it targets, the second an addmm into the
-    output rows in place. (Stacking every adapter's A and masking each
+    products per run whichever parts it targets. Every adapter's rows are
+    kept in one A [sum R, in] and one B^T [sum R, out], adapter i's at
+    offsets[i - 1]:offsets[i]. On the CPU the C++ kernel takes all runs
+    shorter than GEMM_ROWS in one call; longer ones, and every run
+    elsewhere, are a GEMM pair each, the second an addmm into the output
+    rows in place. (Stacking every adapter's A and masking each
     row's columns instead, two GEMMs for all adapters at once, measured
     1.4x slower at 4 adapters of rank 16 on SmolLM2: the masked GEMMs do
     4x the arithmetic, which at these sizes costs more than the calls.)"""
@@ -99,18 +126,29 @@ class LoraLinear(nn.Module):
         self.base = base
         self.batch = batch
         self.reduce = reduce
-        # By adapter index (0, the base, and adapters not targeting this layer: None). Plain
-        # tensors, not parameters: the adapters are not the model's weights.
-        self.deltas: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * (adapters + 1)
-        for i, (a, b) in deltas.items():
-            self.deltas[i] = (a.to(device, dtype).contiguous(), b.t().to(device, dtype).contiguous())  # A, B^T
+        ranks = [deltas[i][0].shape[0] if i in deltas else 0 for i in range(1, adapters + 1)]
+        self.offsets = [0, *itertools.accumulate(ranks)]
+        self.offset_table = torch.tensor(self.offsets, dtype=torch.int64)
+        # Plain tensors, not parameters: the adapters are not the model's weights.
+        ordered = [deltas[i] for i in range(1, adapters + 1) if i in deltas]
+        # [sum R, in] and [sum R, out]; None where no adapter targets the layer (a row-parallel one keeps its reduce)
+        self.a = torch.cat([a for a, _ in ordered]).to(device, dtype).contiguous() if ordered else None
+        self.bt = torch.cat([b.t() for _, b in ordered]).to(device, dtype).contiguous() if ordered else None
+        fits = device.type == "cpu" and dtype in KERNEL_DTYPES and max(ranks, default=0) <= KERNEL_MAX_RANK
+        self.native = native_ops() if fits else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        for index, start, stop in self.batch.segments:
-            if (delta := self.deltas[index]) is not None:
-                a, bt = delta
-                y[start:stop].addmm_(x[start:stop] @ a.t(), bt)  # += (x A^T) B^T: [n, R], then [n, out]
+        if self.a is not None and self.batch.segments:
+            runs = self.batch.segments
+            if self.native is not None and x.stride(-1) == 1 and y.stride(-1) == 1:
+                if len(self.batch.short):
+                    self.native.lora_add_(y, x, self.a, self.bt, self.offset_table, self.batch.short)
+                runs = self.batch.long
+            for index, start, stop in runs:
+                first, end = self.offsets[index - 1], self.offsets[index]
+                if end > first:  # += (x A^T) B^T: [n, R], then [n, out]
+                    y[start:stop].addmm_(x[start:stop] @ self.a[first:end].t(), self.bt[first:end])
         return y if self.reduce is None else self.reduce.all_reduce_sum(y)
 
 
