@@ -84,6 +84,8 @@ def test_bad_segments_and_shapes_are_errors_not_reads_out_of_bounds():
     for segment in [(0, 0, 2), (5, 0, 2), (1, 3, 2), (1, 0, 22)]:
         with pytest.raises(RuntimeError, match="outside the adapters or the rows"):
             ops.lora_add_(y, x, a, bt, offsets, torch.tensor([segment]))
+    with pytest.raises(RuntimeError, match="rows must lie within"):  # adapter 1's rows past a's 23
+        ops.lora_add_(y, x, a, bt, torch.tensor([0, 900, 4, 16, 23]), torch.tensor([(1, 0, 2)]))
     with pytest.raises(RuntimeError, match="offsets must run"):
         ops.lora_add_(y, x, a, bt, offsets[:-1], torch.tensor([(1, 0, 2)]))
     with pytest.raises(RuntimeError, match="share a dtype"):

@@ -92,7 +92,8 @@ void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at
     const int64_t i = seg[3 * s], first = seg[3 * s + 1], end = seg[3 * s + 2];
     TORCH_CHECK(i >= 1 && i <= adapters && 0 <= first && first <= end && end <= rows,
                 "segment (", i, ", ", first, ", ", end, ") is outside the adapters or the rows");
-    TORCH_CHECK(off[i] - off[i - 1] >= 0 && off[i] - off[i - 1] <= kMaxRank, "an adapter's rank must be 0..", kMaxRank);
+    TORCH_CHECK(0 <= off[i - 1] && off[i - 1] <= off[i] && off[i] <= R && off[i] - off[i - 1] <= kMaxRank,
+                "adapter ", i, "'s rows must lie within a's, at most ", kMaxRank);
     if (off[i] > off[i - 1])
       for (int64_t r = first; r < end; r += kRows) work.push_back({r, std::min<int64_t>(kRows, end - r), i});
   }
