@@ -7,7 +7,7 @@ PORT ?= 8080
 BENCH ?= all
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test browser bench proto clean gpu-check peers
+.PHONY: install serve test browser containers image bench proto clean gpu-check peers
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,7 +32,7 @@ install: $(STAMP)
 serve: install
 	$(BIN)/text-generation-launcher --port $(PORT) $(if $(MODEL),--model-id $(MODEL))
 
-test: install browser
+test: install browser containers
 	$(BIN)/python -m pytest -q --durations=30 tests
 
 # The Chromium that tests/e2e/test_playground_browser.py drives through
@@ -44,6 +44,21 @@ browser:
 	@test -x $(CHROMIUM) || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
 	  && { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; } \
 	  || echo "chromium not installed: tests/e2e/test_playground_browser.py will skip"; }
+
+# The CPU image (tgi-py:cpu), built with docker or podman, whichever is present
+# (deploy/image/build.py says which). Where no registry can be pulled from, its
+# base is a Debian root made by deploy/image/debian-base.sh, and torch is the
+# wheel in pip's find-links.
+image: containers
+	$(PY) -m deploy.image.build --device cpu
+
+# podman, runc and debootstrap for `make image` and tests/deploy/test_image.py:
+# installed only where neither engine is, apt-get exists and we are root;
+# otherwise the image test skips and says why.
+containers:
+	@command -v podman >/dev/null || { docker info >/dev/null 2>&1; } || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
+	  && { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends podman runc debootstrap; } \
+	  || echo "podman not installed: tests/deploy/test_image.py will skip"; }
 
 # BENCH=peers first installs the peers (once; a failed install is reported by
 # the benchmark, which still measures ours).

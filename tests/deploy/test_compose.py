@@ -55,7 +55,8 @@ def test_gpu_service_reserves_nvidia_gpus_and_shared_memory():
 def test_servers_take_hf_token_from_the_environment_and_cache_in_data(service):
     spec = SERVICES[service]
     assert spec["environment"]["HF_TOKEN"] == "${HF_TOKEN:-}"
-    assert "./data:/data" in spec["volumes"]
+    assert [interpolate(v, {}) for v in spec["volumes"]] == ["./data:/data"]
+    assert interpolate(spec["volumes"][0], {"DATA_DIR": "/models"}) == "/models:/data"
     assert spec["ports"] and all(p.endswith(":80") for p in spec["ports"])
 
 

@@ -48,6 +48,16 @@ def expander(device: str):
     return lambda text: re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], text)
 
 
+def sources(command: dockerfile.Command) -> list[str]:
+    """The stages or images an instruction reads: COPY --from=X, RUN --mount=...,from=X."""
+    found = [f.split("=", 1)[1] for f in command.flags if command.cmd == "COPY" and f.startswith("--from=")]
+    for flag in command.flags:
+        if command.cmd == "RUN" and flag.startswith("--mount="):
+            found += [part.split("=", 1)[1] for part in flag.removeprefix("--mount=").split(",")
+                      if part.startswith("from=")]
+    return found
+
+
 def reachable_stages(device: str) -> set[str]:
     """The stages a build of the last stage with DEVICE=device runs."""
     expand, graph = expander(device), stages()
@@ -59,15 +69,16 @@ def reachable_stages(device: str) -> set[str]:
         seen.add(name)
         source, body = graph[name]
         todo += [s for s in [expand(source)] if s in graph]
-        todo += [expand(f.split("=", 1)[1]) for c in body if c.cmd == "COPY" for f in c.flags
-                 if f.startswith("--from=")]
+        todo += [expand(s) for c in body for s in sources(c)]
     return seen
 
 
 def external_images(device: str) -> set[str]:
-    """The images from a registry that a DEVICE=device build starts from."""
+    """The images from a registry that a DEVICE=device build starts from
+    (scratch is none: it is empty and never pulled)."""
     expand, graph = expander(device), stages()
-    return {expand(graph[s][0]) for s in reachable_stages(device) if expand(graph[s][0]) not in graph}
+    return {expand(graph[s][0]) for s in reachable_stages(device)
+            if expand(graph[s][0]) not in graph and graph[s][0] != "scratch"}
 
 
 INSTRUCTIONS = {"ADD", "ARG", "CMD", "COPY", "ENTRYPOINT", "ENV", "EXPOSE", "FROM", "HEALTHCHECK", "LABEL",
@@ -109,6 +120,8 @@ def test_healthcheck_probes_health_on_the_served_port():
     (check,) = instructions("HEALTHCHECK")
     assert check.value[0] == "CMD"
     assert "/health" in check.value[1] and "${PORT" in check.value[1] and "curl -f" in check.value[1]
+    # Podman runs the check without HOSTNAME in its environment.
+    assert "${HOSTNAME:-$(cat /proc/sys/kernel/hostname)}" in check.value[1]
 
 
 def test_cuda_build_starts_from_cuda_images_and_builds_flash_attn():
@@ -119,12 +132,53 @@ def test_cuda_build_starts_from_cuda_images_and_builds_flash_attn():
     assert re.search(r"CUDA_ARCHS=\"?8\.0;8\.6;8\.9;9\.0", (ROOT / "Dockerfile").read_text())
 
 
+def test_base_images_are_build_arguments_that_default_to_the_registrys():
+    args = global_args()
+    assert [stages()[name][0] for name in ("base-cpu", "base-cuda", "flash-attn-cuda")] == [
+        "${CPU_BASE_IMAGE}", "${CUDA_BASE_IMAGE}", "${CUDA_DEVEL_IMAGE}"]
+    assert args["CPU_BASE_IMAGE"] == "ubuntu:24.04"
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl"
+
+
+def test_cuda_images_do_not_drift_from_each_other_or_from_the_cpu_base():
+    """The venv built on the CUDA base runs flash-attn's build on the devel
+    image, and the CPU image has the same Ubuntu: one Python for all three."""
+    args = global_args()
+    base = re.fullmatch(r"nvidia/cuda:([\d.]+)-base-ubuntu([\d.]+)", args["CUDA_BASE_IMAGE"])
+    devel = re.fullmatch(r"nvidia/cuda:([\d.]+)-cudnn-devel-ubuntu([\d.]+)", args["CUDA_DEVEL_IMAGE"])
+    assert base and devel and base.groups() == devel.groups()
+    assert args["CPU_BASE_IMAGE"] == f"ubuntu:{base.group(2)}"
+
+
+def test_cpu_and_cuda_images_share_every_stage_but_their_base_and_flash_attn():
+    shared = reachable_stages("cpu") & reachable_stages("cuda")
+    assert {"python", "torch", "runtime", "torch-wheels", "build-ca"} <= shared
+    assert reachable_stages("cpu") - shared == {"base-cpu", "flash-attn-cpu"}
+    assert reachable_stages("cuda") - shared == {"base-cuda", "flash-attn-cuda"}
+    # torch is installed once, in the shared stage; flash-attn's build takes that venv.
+    installs = [c for c in COMMANDS if c.cmd == "RUN" and 'pip install "torch==' in c.value[0]]
+    assert len(installs) == 1 and installs[0] in stages()["torch"][1]
+    assert any(c.cmd == "COPY" and "--from=torch" in c.flags for c in stages()["flash-attn-cuda"][1])
+
+
 def test_cpu_build_uses_no_cuda_image_and_the_cpu_torch():
-    assert external_images("cpu") == {f"ubuntu:{global_args()['UBUNTU_VERSION']}"}
+    assert external_images("cpu") == {global_args()["CPU_BASE_IMAGE"]}
     assert "flash-attn-cuda" not in reachable_stages("cpu")
     (torch_run,) = [c for c in stages()["torch"][1] if c.cmd == "RUN"]
     assert 'if [ "$DEVICE" = "cpu" ]; then index=cpu' in torch_run.value[0]
-    assert "download.pytorch.org/whl/${index}" in torch_run.value[0]
+    assert '--index-url "${TORCH_INDEX_URL}/${index}"' in torch_run.value[0]
+
+
+def test_a_local_torch_wheel_and_build_certificates_are_mounted_never_copied():
+    """torch-wheels and build-ca are empty stages that `--build-context`
+    replaces; the RUNs that download read them through bind mounts."""
+    for name in ("torch-wheels", "build-ca"):
+        assert stages()[name] == ("scratch", [])
+        assert not [c for c in COMMANDS if c.cmd == "COPY" and f"--from={name}" in c.flags]
+    downloads = [c for c in COMMANDS if c.cmd == "RUN" and re.search(r"pip (install|wheel)", c.value[0])]
+    assert downloads and all("build-ca" in sources(c) for c in downloads)
+    (torch_run,) = [c for c in stages()["torch"][1] if c.cmd == "RUN"]
+    assert "torch-wheels" in sources(torch_run)
 
 
 def test_layers_go_from_dependencies_to_source():

@@ -12,7 +12,8 @@ REFERENCE = ROOT / "docs" / "reference" / "launcher.md"
 # Flags of other programs that the docs quote in backticks.
 OTHER_TOOLS = {"--gpus", "--shm-size", "--user", "--build-arg", "--target", "--profile", "--init",
                "--replicas", "--from-literal", "--no-deps", "--config.file", "--index-url",
-               "--health-start-period", "--no-repack"}  # the last: llama-server's, in the peers benchmark
+               "--health-start-period", "--build-context", "--sysctl",
+               "--no-repack"}  # the last: llama-server's, in the peers benchmark
 # Pages that describe the shard process, and so quote text-generation-server's own options.
 SHARD_PAGES = {"architecture.md", "benchmarks.md", "testing.md", "quantization_and_sharding.md", "features.md",
                "models.md"}
