@@ -69,7 +69,7 @@ def run() -> dict:
         print("image: no container engine (docker with a running daemon, or podman): not measured", flush=True)
         return {"image_engine": None}
     start = time.monotonic()
-    build_image(engine, "cpu", IMAGE, torch_wheels=os.environ.get("PIP_FIND_LINKS", "").split())
+    build_image(engine, "cpu", IMAGE)
     build_s = time.monotonic() - start
     size = int(engine("image", "inspect", "--format", "{{.Size}}", IMAGE).stdout.strip())
     results = {"image_engine": engine.describe(), "image_size_gb": round(size / 1e9, 3),

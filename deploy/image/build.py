@@ -6,11 +6,11 @@ is present, and says which.
 The CPU image starts from `ubuntu:24.04` where that can be had (already
 local, or pulled); where no registry answers, from a Debian base that
 debian-base.sh makes with debootstrap. A torch wheel of the Dockerfile's
-TORCH_VERSION in --torch-wheels (by default pip's own find-links, as
-PIP_FIND_LINKS names them) is installed instead of PyTorch's index's. The
-certificates that pip trusts here (PIP_CERT, or pip's configured `cert`) are
-trusted by the build's pip as well (behind a proxy that inspects TLS), without
-entering the image.
+TORCH_VERSION in --torch-wheels (by default pip's own find-links:
+PIP_FIND_LINKS, or pip's configured `find-links`) is installed instead of
+PyTorch's index's. The certificates that pip trusts here (PIP_CERT, or pip's
+configured `cert`) are trusted by the build's pip as well (behind a proxy
+that inspects TLS), without entering the image.
 """
 
 from __future__ import annotations
@@ -63,25 +63,36 @@ def torch_wheel(folders: list[str]) -> Path | None:
     return None
 
 
+def pip_setting(name: str) -> str:
+    """pip's own setting NAME on this machine: PIP_NAME, else `global.NAME`
+    from its configuration files, all of them merged ("" where unset)."""
+    if value := os.environ.get(f"PIP_{name.upper().replace('-', '_')}"):
+        return value
+    listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+    values = re.findall(rf"^global\.{re.escape(name)}='(.*)'$", listed, re.M)
+    return values[-1] if values else ""
+
+
 def pip_cert() -> Path | None:
     """The CA bundle pip trusts on this machine, if one is configured."""
-    named = os.environ.get("PIP_CERT") or subprocess.run(
-        [sys.executable, "-m", "pip", "config", "get", "global.cert"], capture_output=True, text=True).stdout.strip()
+    named = pip_setting("cert")
     return Path(named) if named and Path(named).is_file() else None
 
 
-def build_image(engine: Engine, device: str = "cpu", tag: str | None = None, torch_wheels: list[str] = (),
+def build_image(engine: Engine, device: str = "cpu", tag: str | None = None, torch_wheels: list[str] | None = None,
                 extra: list[str] = (), dockerfile: Path = ROOT / "Dockerfile",
                 stream: bool = False) -> subprocess.CompletedProcess:
     """Builds DEVICE's image as TAG; returns the finished build, its output
-    captured unless `stream`. Raises CalledProcessError on failure."""
+    captured unless `stream`. TORCH_WHEELS: folders to take a torch wheel
+    from (None: pip's own find-links). Raises CalledProcessError on failure."""
     tag = tag or DEFAULT_TAG[device]
     args = ["build", *engine.build_flags, "-f", str(dockerfile), "-t", tag, "--build-arg", f"DEVICE={device}"]
     if device == "cpu":
         args += ["--build-arg", f"CPU_BASE_IMAGE={cpu_base(engine)}"]
     with tempfile.TemporaryDirectory(prefix="tgi-py-build.") as tmp:
         # Named contexts of one file each: the Dockerfile's torch-wheels and build-ca.
-        wheel, cert = torch_wheel(list(torch_wheels)), pip_cert()
+        folders = pip_setting("find-links").split() if torch_wheels is None else torch_wheels
+        wheel, cert = torch_wheel(folders), pip_cert()
         if wheel is not None:
             _link_or_copy(wheel, Path(tmp, "torch-wheels", wheel.name))
             args += ["--build-context", f"torch-wheels={tmp}/torch-wheels"]
@@ -106,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--tag", help="image name (default: tgi-py:cpu, or tgi-py:latest for cuda)")
     parser.add_argument("--torch-wheels", action="append",
-                        help="a folder with a torch wheel to install (default: $PIP_FIND_LINKS)")
+                        help="a folder with a torch wheel to install (default: pip's find-links)")
     parser.add_argument("--no-cache", action="store_true", help="rebuild every layer")
     args = parser.parse_args(argv)
     engine = detect()
@@ -114,10 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         print("neither docker (with a running daemon) nor podman is installed", file=sys.stderr)
         return 1
     print(f"building with {engine.describe()}", flush=True)
-    wheels = args.torch_wheels if args.torch_wheels is not None else os.environ.get("PIP_FIND_LINKS", "").split()
     start = time.monotonic()
     try:
-        build_image(engine, args.device, args.tag, wheels, ["--no-cache"] if args.no_cache else [], stream=True)
+        build_image(engine, args.device, args.tag, args.torch_wheels, ["--no-cache"] if args.no_cache else [],
+                    stream=True)
     except subprocess.CalledProcessError as e:
         print(f"image build failed ({engine.name}, exit {e.returncode})", file=sys.stderr)
         return 1

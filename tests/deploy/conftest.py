@@ -3,7 +3,6 @@
 where it runs as root on Debian), its layers cached by the engine between
 runs on one machine; and a model folder to mount at /data."""
 
-import os
 import subprocess
 import time
 
@@ -19,7 +18,7 @@ from .engine_at_hand import ENGINE
 def image() -> str:
     tag, start = DEFAULT_TAG["cpu"], time.monotonic()
     try:
-        build_image(ENGINE, "cpu", tag, torch_wheels=os.environ.get("PIP_FIND_LINKS", "").split())
+        build_image(ENGINE, "cpu", tag)
     except subprocess.CalledProcessError as e:
         pytest.fail(f"the image build failed ({ENGINE.name}, exit {e.returncode}):\n{(e.stdout + e.stderr)[-3000:]}")
     print(f"\n{tag} built with {ENGINE.describe()} in {time.monotonic() - start:.0f} s")
