@@ -52,13 +52,16 @@ browser:
 image: containers
 	$(PY) -m deploy.image.build --device cpu
 
-# podman, runc and debootstrap for `make image` and tests/deploy/test_image.py:
-# installed only where neither engine is, apt-get exists and we are root;
-# otherwise the image test skips and says why.
+# podman, runc and debootstrap for `make image` and the image tests
+# (tests/deploy/test_image.py): installed where docker's daemon does not answer
+# and one of them is missing, apt-get exists and we are root; otherwise, with
+# no engine at all, the image tests skip and say why.
+CONTAINER_TOOLS := podman runc debootstrap
 containers:
-	@command -v podman >/dev/null || { docker info >/dev/null 2>&1; } || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
-	  && { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends podman runc debootstrap; } \
-	  || echo "podman not installed: tests/deploy/test_image.py will skip"; }
+	@docker info >/dev/null 2>&1 || (for tool in $(CONTAINER_TOOLS); do command -v $$tool >/dev/null || exit 1; done) \
+	  || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
+	  && { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(CONTAINER_TOOLS); } \
+	  || echo "podman, runc or debootstrap not installed: the image tests may skip"; }
 
 # BENCH=peers first installs the peers (once; a failed install is reported by
 # the benchmark, which still measures ours).
