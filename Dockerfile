@@ -54,7 +54,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
     LC_ALL=C.UTF-8
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ ca-certificates curl \
-    && rm -rf /var/lib/apt/lists/* \
+    && apt-get clean && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 
 # torch: the wheel from torch-wheels where there is one, else the index's

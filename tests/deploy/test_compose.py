@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import yaml
 
-from tgi_router.launch.config import build_parser
+from tgi_router.launch.config import RouterConfig, build_parser
 
 from .doc_snippets import ROOT
 from .schemas import compose_validator, errors
@@ -58,6 +58,12 @@ def test_servers_take_hf_token_from_the_environment_and_cache_in_data(service):
     assert [interpolate(v, {}) for v in spec["volumes"]] == ["./data:/data"]
     assert interpolate(spec["volumes"][0], {"DATA_DIR": "/models"}) == "/models:/data"
     assert spec["ports"] and all(p.endswith(":80") for p in spec["ports"])
+
+
+@pytest.mark.parametrize("service", ["tgi", "tgi-cpu"])
+def test_servers_get_longer_to_drain_than_the_launchers_graceful_termination(service):
+    grace = SERVICES[service]["stop_grace_period"]
+    assert grace.endswith("s") and int(grace[:-1]) > RouterConfig().graceful_termination_timeout
 
 
 @pytest.mark.parametrize("service", ["tgi", "tgi-cpu"])
