@@ -47,7 +47,8 @@ def pip_start(model_dir: str, env: dict[str, str]) -> float:
         start = time.monotonic()
         proc = subprocess.Popen(
             [launcher, "--model-id", model_dir, "--port", str(port), "--hostname", "127.0.0.1",
-             "--shard-uds-path", f"{tmp}/shard"], env={**os.environ, **env, "TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor"},
+             "--shard-uds-path", f"{tmp}/shard"],
+            env={**os.environ, **env, "TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor"},
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             while proc.poll() is None:

@@ -53,14 +53,15 @@ def cpu_base(engine: Engine) -> str:
     return DEBIAN_BASE
 
 
-def torch_wheel(folders: list[str]) -> Path | None:
-    """The first torch wheel of the Dockerfile's TORCH_VERSION in FOLDERS."""
+def torch_wheels(folders: list[str]) -> list[Path]:
+    """The torch wheels of the Dockerfile's TORCH_VERSION (every Python tag:
+    the build takes its base's) in the first of FOLDERS that has any."""
     version = dockerfile_arg("TORCH_VERSION")
     for folder in folders:
         wheels = sorted(Path(folder).glob(f"torch-{version}[+-]*.whl")) if Path(folder).is_dir() else []
         if wheels:
-            return wheels[0]
-    return None
+            return wheels
+    return []
 
 
 def pip_setting(name: str) -> str:
@@ -79,23 +80,25 @@ def pip_cert() -> Path | None:
     return Path(named) if named and Path(named).is_file() else None
 
 
-def build_image(engine: Engine, device: str = "cpu", tag: str | None = None, torch_wheels: list[str] | None = None,
+def build_image(engine: Engine, device: str = "cpu", tag: str | None = None, wheel_folders: list[str] | None = None,
                 extra: list[str] = (), dockerfile: Path = ROOT / "Dockerfile",
                 stream: bool = False) -> subprocess.CompletedProcess:
     """Builds DEVICE's image as TAG; returns the finished build, its output
-    captured unless `stream`. TORCH_WHEELS: folders to take a torch wheel
-    from (None: pip's own find-links). Raises CalledProcessError on failure."""
+    captured unless `stream`. WHEEL_FOLDERS: where to look for torch wheels
+    (None: pip's own find-links). Raises CalledProcessError on failure."""
     tag = tag or DEFAULT_TAG[device]
     args = ["build", *engine.build_flags, "-f", str(dockerfile), "-t", tag, "--build-arg", f"DEVICE={device}"]
     if device == "cpu":
         args += ["--build-arg", f"CPU_BASE_IMAGE={cpu_base(engine)}"]
     with tempfile.TemporaryDirectory(prefix="tgi-py-build.") as tmp:
-        # Named contexts of one file each: the Dockerfile's torch-wheels and build-ca.
-        folders = pip_setting("find-links").split() if torch_wheels is None else torch_wheels
-        wheel, cert = torch_wheel(folders), pip_cert()
-        if wheel is not None:
+        # The Dockerfile's named contexts torch-wheels and build-ca, holding only
+        # what they are for: the build sends no more.
+        wheels = torch_wheels(pip_setting("find-links").split() if wheel_folders is None else wheel_folders)
+        for wheel in wheels:
             _link_or_copy(wheel, Path(tmp, "torch-wheels", wheel.name))
+        if wheels:
             args += ["--build-context", f"torch-wheels={tmp}/torch-wheels"]
+        cert = pip_cert()
         if cert is not None:
             _link_or_copy(cert, Path(tmp, "build-ca", "ca.crt"))
             args += ["--build-context", f"build-ca={tmp}/build-ca"]

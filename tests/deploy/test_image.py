@@ -5,6 +5,7 @@ The image (tests/deploy/conftest.py builds it) answers greedily as the pip
 install does, launched here with the same flags."""
 
 import json
+import os
 import threading
 
 import httpx
@@ -17,9 +18,11 @@ from .engine_at_hand import ENGINE, needs_engine
 
 pytestmark = [pytest.mark.slow, needs_engine]
 # The pip install's launcher in these tests gets the same limits, and serves
-# eagerly (tests/conftest.py: TGI_CPU_COMPILE=0), as the container does.
+# eagerly (tests/conftest.py: TGI_CPU_COMPILE=0), as the container does; the
+# kernel limits that make a newer CPU serve as an AVX2 one reach both.
 LIMITS = ["--max-total-tokens", "1024", "--max-input-tokens", "512", "--kv-cache-bytes", "64MiB"]
-EAGER = {"TGI_CPU_COMPILE": "0"}
+KERNEL_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+SERVING_ENV = {"TGI_CPU_COMPILE": "0", **{name: os.environ[name] for name in KERNEL_LIMITS if name in os.environ}}
 PROMPT = "What is Deep Learning?"
 CHAT = [{"role": "user", "content": "Name three colors."}]
 
@@ -50,7 +53,7 @@ def server(image, model_dir):
     """The image as root: flags both as arguments (--max-stop-sequences) and as
     environment variables (MAX_CONCURRENT_REQUESTS, MAX_BATCH_SIZE)."""
     flags = ["--model-id", "/data", *LIMITS, "--max-stop-sequences", "3"]
-    env = {**EAGER, "MAX_CONCURRENT_REQUESTS": "17", "MAX_BATCH_SIZE": "2"}
+    env = {**SERVING_ENV, "MAX_CONCURRENT_REQUESTS": "17", "MAX_BATCH_SIZE": "2"}
     with Container.start(ENGINE, image, flags, env=env, mounts=[f"{model_dir}:/data"]) as container:
         container.wait_healthy()
         yield container
@@ -89,6 +92,9 @@ def test_flags_reach_the_launcher_as_arguments_and_as_environment(server):
 
 
 def test_docker_stop_drains_an_in_flight_stream_and_exits_0(server):
+    """The last test on `server`: it stops it. SIGTERM comes after the first
+    token of 120; the stream still ends with all of them (a SIGKILL at the
+    timeout would exit 137)."""
     events, first = [], threading.Event()
 
     def stream():
@@ -109,7 +115,7 @@ def test_docker_stop_drains_an_in_flight_stream_and_exits_0(server):
 
 def test_any_user_serves_a_read_only_model_mount(image, model_dir, pip_answers):
     flags = ["--model-id", "/data", *LIMITS]
-    with Container.start(ENGINE, image, flags, env=EAGER, mounts=[f"{model_dir}:/data:ro"],
+    with Container.start(ENGINE, image, flags, env=SERVING_ENV, mounts=[f"{model_dir}:/data:ro"],
                          user="1001") as container:
         container.wait_healthy()
         assert greedy(container.url) == pip_answers
