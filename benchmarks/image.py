@@ -22,9 +22,11 @@ from pathlib import Path
 import httpx
 
 from deploy.image.build import DEFAULT_TAG, build_image
-from deploy.image.container import Container, free_port
+from deploy.image.container import Container
 from deploy.image.engine import Engine, detect
 from tgi_server.weights.resolve import default_model_path
+
+from .http import free_port
 
 IMAGE = DEFAULT_TAG["cpu"]
 ROUNDS = {"default": 2, "eager": 3}
@@ -33,7 +35,8 @@ MODES = {"default": {}, "eager": {"TGI_CPU_COMPILE": "0"}}
 
 def container_start(engine: Engine, model_dir: str, env: dict[str, str]) -> float:
     start = time.monotonic()
-    with Container.start(engine, IMAGE, ["--model-id", "/data"], env=env, mounts=[f"{model_dir}:/data:ro"]) as c:
+    with Container.start(engine, IMAGE, ["--model-id", "/data"], free_port(), env=env,
+                         mounts=[f"{model_dir}:/data:ro"]) as c:
         c.wait_healthy(timeout=900)
         elapsed = time.monotonic() - start
         c.stop(timeout=60)

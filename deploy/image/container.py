@@ -5,7 +5,6 @@ test and `make bench BENCH=image`."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -13,12 +12,6 @@ import uuid
 from dataclasses import dataclass
 
 from .engine import Engine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -31,10 +24,11 @@ class Container:
     port: int
 
     @classmethod
-    def start(cls, engine: Engine, image: str, flags: list[str], *, env: dict[str, str] | None = None,
+    def start(cls, engine: Engine, image: str, flags: list[str], port: int, *, env: dict[str, str] | None = None,
               mounts: list[str] = (), user: str | None = None) -> Container:
-        """`engine run -d` IMAGE with launcher FLAGS; MOUNTS as `-v` values."""
-        name, port = f"tgi-py-{uuid.uuid4().hex[:10]}", free_port()
+        """`engine run -d` IMAGE with launcher FLAGS, published on PORT (the
+        caller's free port: benchmarks.http.free_port); MOUNTS as `-v` values."""
+        name = f"tgi-py-{uuid.uuid4().hex[:10]}"
         args = ["run", "-d", "--name", name, *engine.run_flags, "-p", f"127.0.0.1:{port}:80"]
         for mount in mounts:
             args += ["-v", mount]

@@ -7,15 +7,15 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from deploy.image.container import free_port
+from deploy.image.container import Container
 
+from ..shard_harness import free_port
 from .doc_snippets import ROOT
 from .engine_at_hand import ENGINE, needs_engine
 
@@ -58,17 +58,17 @@ def test_cpu_server_comes_up_healthy_under_compose(image, compose_env):
     up = compose("up", "-d", "tgi-cpu", env=env)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
-        container = container_of("tgi-cpu")
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, container)
-        answer = httpx.post(url + "/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 4}},
+        server = Container(ENGINE, container_of("tgi-cpu"), port)
+        server.wait_healthy(timeout=600)
+        answer = httpx.post(server.url + "/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 4}},
                             timeout=60)
         assert answer.status_code == 200 and answer.json()["generated_text"]
-        # The compose file's own healthcheck, run by the engine.
-        check = ENGINE("healthcheck", "run", container, check=False, timeout=60) if ENGINE.name == "podman" \
-            else ENGINE("exec", container, "sh", "-c", SERVICES["tgi-cpu"]["healthcheck"]["test"][1].replace(
-                "$$", "$"), check=False, timeout=60)
-        assert check.returncode == 0, check.stdout + check.stderr
+        # The compose file's own healthcheck, run by the engine (docker runs it in the container).
+        if ENGINE.name == "podman":
+            check = ENGINE("healthcheck", "run", server.name, check=False, timeout=60)
+            assert check.returncode == 0, check.stdout + check.stderr
+        else:
+            assert server.exec("sh", "-c", SERVICES["tgi-cpu"]["healthcheck"]["test"][1].replace("$$", "$")) == 0
     finally:
         down = compose("down", "-t", "30", env=env)
         assert down.returncode == 0, down.stdout + down.stderr
@@ -96,16 +96,3 @@ def container_of(service: str) -> str:
     assert len(names) == 1, names
     return names[0]
 
-
-def wait_healthy(url: str, container: str, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        running = ENGINE("inspect", "--format", "{{.State.Running}}", container, check=False).stdout.strip()
-        assert running == "true", ENGINE("logs", container, check=False).stderr[-4000:]
-        time.sleep(0.2)
-    raise AssertionError(f"{container} not healthy in {timeout:.0f} s")

@@ -14,6 +14,7 @@ import pytest
 from deploy.image.container import Container
 
 from ..e2e.router_harness import launch
+from ..shard_harness import free_port
 from .engine_at_hand import ENGINE, needs_engine
 
 pytestmark = [pytest.mark.slow, needs_engine]
@@ -54,7 +55,7 @@ def server(image, model_dir):
     environment variables (MAX_CONCURRENT_REQUESTS, MAX_BATCH_SIZE)."""
     flags = ["--model-id", "/data", *LIMITS, "--max-stop-sequences", "3"]
     env = {**SERVING_ENV, "MAX_CONCURRENT_REQUESTS": "17", "MAX_BATCH_SIZE": "2"}
-    with Container.start(ENGINE, image, flags, env=env, mounts=[f"{model_dir}:/data"]) as container:
+    with Container.start(ENGINE, image, flags, free_port(), env=env, mounts=[f"{model_dir}:/data"]) as container:
         container.wait_healthy()
         yield container
 
@@ -115,7 +116,7 @@ def test_docker_stop_drains_an_in_flight_stream_and_exits_0(server):
 
 def test_any_user_serves_a_read_only_model_mount(image, model_dir, pip_answers):
     flags = ["--model-id", "/data", *LIMITS]
-    with Container.start(ENGINE, image, flags, env=SERVING_ENV, mounts=[f"{model_dir}:/data:ro"],
+    with Container.start(ENGINE, image, flags, free_port(), env=SERVING_ENV, mounts=[f"{model_dir}:/data:ro"],
                          user="1001") as container:
         container.wait_healthy()
         assert greedy(container.url) == pip_answers
