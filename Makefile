@@ -7,7 +7,7 @@ PORT ?= 8080
 BENCH ?= all
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test browser containers image bench proto clean gpu-check peers
+.PHONY: install serve test lint browser containers image bench proto clean gpu-check peers
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,8 +32,12 @@ install: $(STAMP)
 serve: install
 	$(BIN)/text-generation-launcher --port $(PORT) $(if $(MODEL),--model-id $(MODEL))
 
-test: install browser containers
+test: install lint browser containers
 	$(BIN)/python -m pytest -q --durations=30 tests
+
+# pyflakes, pycodestyle, import order and bugbear ([tool.ruff] in pyproject.toml).
+lint: install
+	$(BIN)/ruff check .
 
 # The Chromium that tests/e2e/test_playground_browser.py drives through
 # Playwright (the `test` extra): Debian's, as Playwright's own browser download

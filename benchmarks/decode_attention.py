@@ -17,6 +17,7 @@ decode_attention_flex_mask_b{B}_ctx{L}_ms."""
 import time
 
 import torch
+
 from tgi_kernels import DecodeMeta
 from tgi_kernels import attention as attn
 from tgi_kernels.cpu import is_available as cpu_kernels_built

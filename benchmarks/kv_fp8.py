@@ -37,13 +37,13 @@ from pathlib import Path
 import httpx
 import torch
 
+from tests.shard_harness import chunked_logprobs
 from tgi_proto import pb
 from tgi_server.config import ShardConfig
 from tgi_server.model_runner import ModelRunner
 from tgi_server.shard import load_shard
 from tgi_server.weights.gguf import load_gguf_tokenizer
 from tgi_server.weights.resolve import default_model_path
-from tests.shard_harness import chunked_logprobs
 
 from . import engine as engine_bench
 from .http import launched

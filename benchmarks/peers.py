@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 
 from . import engine as engine_bench
-from .http import free_port, _wait_healthy, gather_limited, launched, pct_ms, process_cpu_seconds
+from .http import _wait_healthy, free_port, gather_limited, launched, pct_ms, process_cpu_seconds
 from .machine import dtype_name, serving_dtype
 
 ROOT = Path(__file__).resolve().parent.parent

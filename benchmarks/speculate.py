@@ -41,12 +41,14 @@ import re
 import tempfile
 
 import httpx
+
 from tgi_server.speculation.ngram import NgramIndex
 
 from . import engine as engine_bench
 from .http import gather_limited, launched, load
 from .machine import dtype_name, serving_dtype
-from .medusa_heads import HEADS as MEDUSA_HEADS, medusa_dir
+from .medusa_heads import HEADS as MEDUSA_HEADS
+from .medusa_heads import medusa_dir
 
 # 1 + 7 rows fill the compiled decode step of 8 rows.
 SPECULATE = 7

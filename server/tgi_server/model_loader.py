@@ -11,8 +11,8 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from .distributed import TensorParallel
-from .models import ModelConfig, build_model
 from .layers.lora import AdapterSet
+from .models import ModelConfig, build_model
 from .models.rope_override import override_rope
 from .quant import linear_format
 from .weights.errors import CheckpointError

@@ -18,8 +18,8 @@ from tgi_kernels import FP8_KV_DTYPES, SOFTCAP_BACKENDS, select_backend
 from tgi_proto import pb
 
 from .batch import StepBatch, build_batch
-from .generations import generations as generations_of
 from .cuda_graphs import DecodeGraphs, backend_supports_graphs, compile_available, graph_batch_sizes
+from .generations import generations as generations_of
 from .kv_cache import KVCache, KVCacheSpec
 from .layers.attention import ForwardContext
 from .memory import kv_cache_budget

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from .kernel_cases import make_case, make_decode_case, naive_attention
 from tgi_kernels import SOFTCAP_BACKENDS, available_backends, paged_decode, varlen_prefill
+
+from .kernel_cases import make_case, make_decode_case, naive_attention
 
 CPU = torch.device("cpu")
 # triton runs its own sweep of representative shapes (test_triton_kernels.py): the

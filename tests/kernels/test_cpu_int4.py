@@ -7,7 +7,7 @@ import torch
 
 from tgi_kernels.native import native_ops
 from tgi_server.layers.linear import pack_bf16_lanes
-from tgi_server.quant import QuantLinear, QuantizedMatrix, quantize_rtn
+from tgi_server.quant import QuantizedMatrix, QuantLinear, quantize_rtn
 from tgi_server.quant.quant_linear import INT4_GEMV_MAX_ROWS, pack_int4_lanes
 
 ops = native_ops()

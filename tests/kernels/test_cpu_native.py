@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from .kernel_cases import make_decode_case, naive_attention
 from tgi_kernels import available_backends, paged_decode, rotary_store_kv, store_kv
 from tgi_kernels.native import native_ops
+
+from .kernel_cases import make_decode_case, naive_attention
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2),

@@ -6,11 +6,19 @@ turned by key_rotation keep q.k and lose less of it to float8."""
 import pytest
 import torch
 
+from tgi_kernels import (
+    FP8_KV_DTYPES,
+    available_backends,
+    build_decode_meta,
+    paged_decode,
+    rotary_store_kv,
+    store_kv,
+    varlen_prefill,
+)
+from tgi_kernels.fp8 import key_rotation, to_cache_dtype
+
 from .kernel_cases import make_case, make_decode_case
 from .test_attention import CUDA_BACKENDS, needs_cuda
-from tgi_kernels import (FP8_KV_DTYPES, available_backends, build_decode_meta, paged_decode, rotary_store_kv,
-                         store_kv, varlen_prefill)
-from tgi_kernels.fp8 import key_rotation, to_cache_dtype
 
 CPU = torch.device("cpu")
 # triton's interpreter runs its own fp8 case below (too slow for the product)

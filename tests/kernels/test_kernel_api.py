@@ -7,8 +7,8 @@ import torch
 
 import tgi_kernels
 from tgi_kernels import available_backends, build_prefill_meta, cpu, select_backend, store_kv
-from tgi_kernels.native import native_ops
 from tgi_kernels.attention import BACKENDS, AttentionBackend
+from tgi_kernels.native import native_ops
 
 CPU = torch.device("cpu")
 

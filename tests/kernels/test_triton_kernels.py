@@ -10,9 +10,11 @@ float32 -> bf16 toward zero, the reference to nearest: one bf16 ulp).
 import pytest
 import torch
 
+from tgi_kernels import available_backends, paged_decode, store_kv, varlen_prefill
+from tgi_kernels import triton as triton_backend
+
 from ..triton_interpreter import use_triton_interpreter
 from .kernel_cases import make_case, make_decode_case
-from tgi_kernels import available_backends, paged_decode, store_kv, triton as triton_backend, varlen_prefill
 
 # On a GPU machine the same tests run the compiled kernels, and belong to `pytest -m gpu`.
 pytestmark = [pytest.mark.skipif(not use_triton_interpreter(), reason="needs triton")] + (

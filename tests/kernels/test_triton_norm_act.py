@@ -7,8 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tgi_kernels import FP8_KV_DTYPES, rotary_store_kv, store_kv
+from tgi_kernels import triton as triton_backend
+
 from ..triton_interpreter import use_triton_interpreter
-from tgi_kernels import FP8_KV_DTYPES, rotary_store_kv, store_kv, triton as triton_backend
 
 pytestmark = [pytest.mark.skipif(not use_triton_interpreter(), reason="needs triton")] + (
     [pytest.mark.gpu] if torch.cuda.is_available() else [])

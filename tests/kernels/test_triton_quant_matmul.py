@@ -20,8 +20,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from ..triton_interpreter import use_triton_interpreter
 from tgi_server.quant.quantized_matrix import QuantizedMatrix, quantize_rtn
+
+from ..triton_interpreter import use_triton_interpreter
 
 pytestmark = pytest.mark.skipif(not use_triton_interpreter(), reason="needs triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

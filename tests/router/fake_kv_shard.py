@@ -13,7 +13,6 @@ like any token's) and keeps them while each equals next_token of what
 precedes it, as a real shard checks drafts."""
 
 from collections.abc import Callable
-
 from dataclasses import dataclass
 
 from tgi_proto import pb

@@ -10,8 +10,13 @@ import sys
 import pytest
 
 from tgi_router import errors
-from tgi_router.openai_compat.chat_template import (DEFAULT_TOOL_PROMPT, MAX_RENDER_CHARS, ChatTemplate, TemplateError,
-                                                    template_messages)
+from tgi_router.openai_compat.chat_template import (
+    DEFAULT_TOOL_PROMPT,
+    MAX_RENDER_CHARS,
+    ChatTemplate,
+    TemplateError,
+    template_messages,
+)
 from tgi_router.openai_compat.protocol import ChatMessage
 
 WEATHER = {"type": "function", "function": {

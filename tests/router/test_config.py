@@ -11,8 +11,7 @@ import pytest
 
 from tgi_router.launch import launcher
 from tgi_router.launch.config import ConfigError, RouterConfig, parse_args
-from tgi_router.launch.limits import Limits, resolve_limits
-from tgi_router.launch.limits import prefill_tokens
+from tgi_router.launch.limits import Limits, prefill_tokens, resolve_limits
 
 # TGI 3 launcher/src/main.rs `Args` defaults (flags of the issue).
 TGI_DEFAULTS = dict(

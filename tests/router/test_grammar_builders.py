@@ -13,8 +13,15 @@ import pytest
 
 from tgi_router.errors import ValidationError, error_response
 from tgi_router.text import grammar as grammar_module
-from tgi_router.text.grammar import (INTEGER_RANGE, JSON_OPTIONS, NUMBER_RANGE, NUMBER_STEP, ValidGrammar,
-                                     bounded_numbers, closed_schema, json_grammar, lark_grammar, regex_grammar)
+from tgi_router.text.grammar import (
+    JSON_OPTIONS,
+    ValidGrammar,
+    bounded_numbers,
+    closed_schema,
+    json_grammar,
+    lark_grammar,
+    regex_grammar,
+)
 
 # --------------------------------------------------------------- matcher
 

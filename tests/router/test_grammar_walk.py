@@ -13,8 +13,14 @@ from tgi_proto.grammar_walk import GrammarWalk, is_json_grammar
 from tgi_router.errors import ValidationError
 from tgi_router.openai_compat.tool_calls import plan_tools
 from tgi_router.request.validation import check_grammar_budget
-from tgi_router.text.grammar import (INTEGER_RANGE, NUMBER_RANGE, NUMBER_STEP, bounded_numbers, json_grammar,
-                                     regex_grammar)
+from tgi_router.text.grammar import (
+    INTEGER_RANGE,
+    NUMBER_RANGE,
+    NUMBER_STEP,
+    bounded_numbers,
+    json_grammar,
+    regex_grammar,
+)
 
 COLOR = {"type": "object", "properties": {"color": {"enum": ["green", "red", "yellow"]},
                                           "count": {"type": "integer"}, "flag": {"type": "boolean"}},

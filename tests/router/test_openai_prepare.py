@@ -13,11 +13,11 @@ from tgi_router.errors import TemplateError, TGIError, ToolError, ValidationErro
 from tgi_router.openai_compat.chat_template import DEFAULT_TOOL_PROMPT, ChatTemplate
 from tgi_router.openai_compat.prepare import MAX_CHOICES, PreparedChat, prepare_chat, prepare_completion
 from tgi_router.openai_compat.protocol import ChatCompletionRequest, CompletionRequest
+from tgi_router.request.validation import ValidationLimits
 from tgi_router.text.grammar import closed_schema, json_grammar
 from tgi_router.text.tokenizer import RouterTokenizer
 
 from .conftest import BOS, EOS, byte_level_tokenizer
-from tgi_router.request.validation import ValidationLimits
 
 PLAIN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                   "{% if add_generation_prompt %}<|assistant|>{% endif %}")

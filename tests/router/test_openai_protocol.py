@@ -14,14 +14,38 @@ from openai.types import Model as SDKModel
 from openai.types.chat import ChatCompletion as SDKChatCompletion
 from openai.types.chat import ChatCompletionChunk as SDKChatCompletionChunk
 
-from tgi_router.openai_compat.protocol import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk,
-                                               ChatCompletionRequest, ChoiceLogprobs, ChunkChoice, ChunkDelta,
-                                               Completion, CompletionChoice, CompletionChunk, CompletionLogprobs,
-                                               CompletionRequest, FunctionCall, FunctionCallDelta, ImageContentPart,
-                                               Model, ModelList, NamedToolChoice, ResponseFormatJson,
-                                               ResponseFormatJsonObject, ResponseFormatJsonSchema, ResponseFormatRegex,
-                                               ResponseFormatText, TextContentPart, TokenLogprob, ToolCall,
-                                               ToolCallDelta, TopLogprob, Usage)
+from tgi_router.openai_compat.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChoiceLogprobs,
+    ChunkChoice,
+    ChunkDelta,
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    FunctionCall,
+    FunctionCallDelta,
+    ImageContentPart,
+    Model,
+    ModelList,
+    NamedToolChoice,
+    ResponseFormatJson,
+    ResponseFormatJsonObject,
+    ResponseFormatJsonSchema,
+    ResponseFormatRegex,
+    ResponseFormatText,
+    TextContentPart,
+    TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+    TopLogprob,
+    Usage,
+)
 
 USER = {"role": "user", "content": "hi"}
 USAGE = Usage(prompt_tokens=5, completion_tokens=2, total_tokens=7)

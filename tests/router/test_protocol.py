@@ -10,10 +10,24 @@ import pydantic
 import pytest
 
 from tgi_router import errors
-from tgi_router.request.protocol import (U32_MAX, U64_MAX, ChatTokenizeResponse, CompatGenerateRequest, Details,
-                                         ErrorResponse, GenerateRequest, GenerateResponse, Info, JsonGrammar,
-                                         JsonSchemaGrammar, PrefillToken, RegexGrammar, StreamResponse, Token,
-                                         TokenizeResponse)
+from tgi_router.request.protocol import (
+    U32_MAX,
+    U64_MAX,
+    ChatTokenizeResponse,
+    CompatGenerateRequest,
+    Details,
+    ErrorResponse,
+    GenerateRequest,
+    GenerateResponse,
+    Info,
+    JsonGrammar,
+    JsonSchemaGrammar,
+    PrefillToken,
+    RegexGrammar,
+    StreamResponse,
+    Token,
+    TokenizeResponse,
+)
 
 
 def params(**kw):

@@ -8,8 +8,14 @@ import json
 import pytest
 
 from tgi_router.errors import ToolError, error_response
-from tgi_router.openai_compat.tool_calls import (ToolCall, ToolCallStream, ToolPlan, new_call_id, parse_tool_call,
-                                                 plan_tools)
+from tgi_router.openai_compat.tool_calls import (
+    ToolCall,
+    ToolCallStream,
+    ToolPlan,
+    new_call_id,
+    parse_tool_call,
+    plan_tools,
+)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city {in braces}",

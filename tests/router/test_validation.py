@@ -10,7 +10,7 @@ import pytest
 
 from tgi_router.errors import ValidationError, error_response
 from tgi_router.request.protocol import GenerateRequest
-from tgi_router.request.validation import DEFAULT_GENERATION_LENGTH, ValidGrammar, ValidationLimits, validate
+from tgi_router.request.validation import DEFAULT_GENERATION_LENGTH, ValidationLimits, ValidGrammar, validate
 
 LIMITS = ValidationLimits(max_input_tokens=10, max_total_tokens=20)
 

@@ -10,8 +10,13 @@ from tgi_router.launch.shard_processes import shard_command
 from tgi_server.batch import build_batch
 from tgi_server.cli import build_parser, config_from_args
 from tgi_server.config import ShardConfig
-from tgi_server.cuda_graphs import (DecodeGraphs, backend_supports_graphs, graph_batch_sizes, padded_batch_size,
-                                    padding_floors)
+from tgi_server.cuda_graphs import (
+    DecodeGraphs,
+    backend_supports_graphs,
+    graph_batch_sizes,
+    padded_batch_size,
+    padding_floors,
+)
 from tgi_server.sequences import ShardSequence
 from tgi_server.shard import load_shard
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from tgi_proto import pb
 from tgi_server.distributed import TensorParallel
 from tgi_server.model_loader import load_model, open_checkpoint
 from tgi_server.model_runner import ModelRunner
@@ -18,7 +19,6 @@ from tgi_server.quant.gguf_linear import decode_q4_k, decode_q8_0
 from tgi_server.quant.grouped_int8 import GroupedInt8
 from tgi_server.quant.quant_linear import QuantLinear
 from tgi_server.weights.resolve import resolve_model
-from tgi_proto import pb
 
 from ..shard_harness import save_tiny_model
 from .test_engine_matches_hf import engine_logits

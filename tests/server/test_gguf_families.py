@@ -23,8 +23,15 @@ from safetensors.numpy import load_file
 from tgi_server.quant.quant_linear import QuantLinear
 from tgi_server.weights.gguf import GGUFFile
 
-from ..shard_harness import (HF_CLASSES, InProcessShard, ShardProcesses, hf_greedy, run_prompts, save_tiny_model,
-                             with_tensors)
+from ..shard_harness import (
+    HF_CLASSES,
+    InProcessShard,
+    ShardProcesses,
+    hf_greedy,
+    run_prompts,
+    save_tiny_model,
+    with_tensors,
+)
 from .test_engine_matches_hf import engine_logits
 from .test_quant_models import hf_logits, runner_for
 

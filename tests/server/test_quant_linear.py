@@ -11,10 +11,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from tgi_server.quant import QuantLinear, QuantizedMatrix, quantize_rtn
+from tgi_server.quant import QuantizedMatrix, QuantLinear, quant_linear, quantize_rtn
 from tgi_server.quant.gguf_linear import decode_q4
 from tgi_server.quant.packing import awq_pack, awq_unpack, pack, unpack
-from tgi_server.quant import quant_linear
 from tgi_server.quant.quant_linear import INT4_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS
 from tgi_server.quant.quantizer.export import awq_tensors, gptq_tensors
 from tgi_server.quant.quantizer.gptq_solver import gptq_quantize

@@ -13,8 +13,8 @@ import transformers
 
 from tgi_kernels.native import native_ops
 from tgi_proto import pb
-from tgi_server.cli import main as server_cli
 from tgi_server import model_loader
+from tgi_server.cli import main as server_cli
 from tgi_server.config import ShardConfig
 from tgi_server.distributed import TensorParallel
 from tgi_server.model_loader import load_model, open_checkpoint

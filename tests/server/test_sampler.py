@@ -7,8 +7,13 @@ from dataclasses import replace
 import pytest
 import torch
 from transformers.generation.logits_process import (
-    MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
-    TopPLogitsWarper, TypicalLogitsWarper)
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
 
 from tgi_server.sampling.logits_warpers import TOP_P_BLOCKS
 from tgi_server.sampling.sampler import Sampler, SamplingParams, draw_uniform, prompt_logprobs

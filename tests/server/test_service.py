@@ -3,8 +3,8 @@ clear statuses for bad calls."""
 
 import asyncio
 
-import torch
 import pytest
+import torch
 
 from tgi_kernels import select_backend
 from tgi_proto import pb

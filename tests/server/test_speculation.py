@@ -13,8 +13,8 @@ import torch
 
 from tgi_proto import pb
 from tgi_server.sampling.sampler import Sampler, SamplingParams
-from tgi_server.speculation.verify import TokensUpTo, accepted, row_contexts
 from tgi_server.sequences import ShardSequence
+from tgi_server.speculation.verify import TokensUpTo, accepted, row_contexts
 
 from ..shard_harness import DraftAlways, InProcessShard, greedy, run_prompts, save_tiny_model
 

@@ -21,8 +21,15 @@ from tgi_server.layers.attention import HeadShard
 from tgi_server.model_loader import load_model, open_checkpoint, weight_bytes
 from tgi_server.weights.resolve import default_model_path, resolve_model
 
-from ..shard_harness import (DraftAlways, InProcessShard, ShardProcesses, greedy, run_prompts, save_tiny_model,
-                             save_tiny_served_model)
+from ..shard_harness import (
+    DraftAlways,
+    InProcessShard,
+    ShardProcesses,
+    greedy,
+    run_prompts,
+    save_tiny_model,
+    save_tiny_served_model,
+)
 
 PROMPTS = [[1, 5, 9, 13, 200, 3], list(range(3, 40)), [7] * 20, [250, 4, 4, 17]]
 SAMPLED = [greedy(do_sample=True, seed=11 + i, temperature=0.9, top_k=40, top_p=0.95) for i in range(len(PROMPTS))]

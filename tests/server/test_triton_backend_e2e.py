@@ -9,7 +9,6 @@ import torch
 from ..shard_harness import InProcessShard, run_prompts, save_tiny_model
 from ..triton_interpreter import use_triton_interpreter
 
-
 PROMPTS = [[5], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], list(range(30, 70))]
 
 

@@ -29,8 +29,14 @@ from datetime import datetime, timezone
 from typing import Any
 
 from tgi_router.launch.config import ConfigError, RouterConfig, parse_args
-from tgi_router.launch.shard_processes import (ShardExit, ShardGroup, remove_stale_sockets, shard_command, shard_env,
-                                               wait_for_shards)
+from tgi_router.launch.shard_processes import (
+    ShardExit,
+    ShardGroup,
+    remove_stale_sockets,
+    shard_command,
+    shard_env,
+    wait_for_shards,
+)
 
 log = logging.getLogger("tgi_router.launch.launcher")
 

@@ -14,8 +14,7 @@ required field it means missing. Ranges (penalties within -2..2, `n`,
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (AliasChoices, BaseModel, ConfigDict, Field, StrictBool,
-                      StrictStr, model_validator)
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
 from tgi_router.request.protocol import F32, U32, U64
 

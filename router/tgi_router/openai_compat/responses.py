@@ -15,8 +15,7 @@ as -9999.0, the value OpenAI documents for "very unlikely": JSON has no -inf.
 import math
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import (BaseModel, PlainSerializer, SerializerFunctionWrapHandler,
-                      model_serializer)
+from pydantic import BaseModel, PlainSerializer, SerializerFunctionWrapHandler, model_serializer
 
 from tgi_router.openai_compat.requests import ToolCall
 

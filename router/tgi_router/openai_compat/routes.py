@@ -17,8 +17,15 @@ from tgi_router.errors import BatchSizeExceededError
 from tgi_router.openai_compat import protocol as o
 from tgi_router.openai_compat.chat_template import ChatTemplate, TemplateError
 from tgi_router.openai_compat.prepare import PreparedChat, chat_tools, prepare_chat, prepare_completion, render_chat
-from tgi_router.openai_compat.stream import (ResponseMeta, chat_chunks, chat_token_logprobs, completion_chunks,
-                                             completion_logprobs, finish_reason, usage)
+from tgi_router.openai_compat.stream import (
+    ResponseMeta,
+    chat_chunks,
+    chat_token_logprobs,
+    completion_chunks,
+    completion_logprobs,
+    finish_reason,
+    usage,
+)
 from tgi_router.openai_compat.tool_calls import ToolPlan, new_call_id, parse_tool_call
 from tgi_router.request import protocol as p
 from tgi_router.request.validation import check_input_chars, tokenize_text

@@ -15,9 +15,20 @@ import math
 import struct
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, RootModel,
-                      StrictBool, StrictFloat, StrictInt, StrictStr,
-                      field_serializer, field_validator, model_serializer)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    RootModel,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_serializer,
+    field_validator,
+    model_serializer,
+)
 
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1

@@ -8,7 +8,6 @@ import time
 from typing import NamedTuple
 
 from tgi_proto import pb
-
 from tgi_router.request.validation import ValidGenerateRequest
 from tgi_router.scheduling.client import ShardClient, ShardError
 from tgi_router.scheduling.request_stream import RequestStream, Timings

@@ -6,7 +6,6 @@ import time
 from dataclasses import dataclass, field
 
 from tgi_proto import pb
-
 from tgi_router.request.validation import ValidGenerateRequest
 from tgi_router.scheduling.sequence import FinishReason, Sequence
 from tgi_router.text.detokenizer import IncrementalDetokenizer, decode_generated

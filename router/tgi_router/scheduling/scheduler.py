@@ -25,7 +25,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tgi_proto import pb
-
 from tgi_router.scheduling.block_manager import BlockManager, chain_hashes
 from tgi_router.scheduling.sequence import FinishReason, Sequence, Status
 from tgi_router.scheduling.speculation import SpeculationPolicy

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from tgi_proto import pb
-
 from tgi_router.scheduling.block_manager import ROOT_HASH
 
 

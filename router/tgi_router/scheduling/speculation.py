@@ -45,7 +45,6 @@ answer."""
 from collections.abc import Iterable
 
 from tgi_proto import pb
-
 from tgi_router.scheduling.decayed_line import DecayedLine
 from tgi_router.scheduling.sequence import Sequence
 

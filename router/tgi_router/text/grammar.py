@@ -24,7 +24,6 @@ from typing import Literal
 from llguidance import LLMatcher
 
 from tgi_proto.grammar_walk import walk
-
 from tgi_router.errors import ValidationError
 
 __all__ = ["JSON_OPTIONS", "CHECK_TIMEOUT_S", "INTEGER_RANGE", "NUMBER_RANGE", "NUMBER_STEP", "ValidGrammar",

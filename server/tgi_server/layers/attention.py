@@ -7,8 +7,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from tgi_kernels import (DecodeMeta, PrefillMeta, fuses_rotary, key_rotation, paged_decode, rotary_store_kv,
-                         store_kv, varlen_prefill)
+from tgi_kernels import (
+    DecodeMeta,
+    PrefillMeta,
+    fuses_rotary,
+    key_rotation,
+    paged_decode,
+    rotary_store_kv,
+    store_kv,
+    varlen_prefill,
+)
 
 from ..distributed import TensorParallel
 from ..weights.errors import CheckpointError

@@ -32,7 +32,6 @@ from ..distributed import TensorParallel
 from ..weights.errors import CheckpointError
 from ..weights.lora_adapters import Adapter
 
-
 # Runs of at least this many rows go to torch's GEMMs on the CPU too: a 4,096-row
 # prefill of SmolLM2 with 4 adapters on every linear took 2.2-2.3 s that way against
 # 2.7 s all through the C++ kernel (the base model alone: 1.9 s), while below it

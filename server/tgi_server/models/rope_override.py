@@ -6,6 +6,7 @@ from transformers import PretrainedConfig
 
 from ..weights.errors import CheckpointError
 
+
 def override_rope(hf: PretrainedConfig, scaling: str, factor: float) -> int:
     """Replace `hf`'s RoPE scaling by `scaling` at `factor` (in place);
     returns the model's length with it: max_position_embeddings x factor.

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import llguidance as llg
+
 # llguidance.numpy, not llguidance.torch: the latter decorates a function with
 # torch.compile at import, which imports dynamo and inductor (~1.6 s of every
 # shard's start) for a kernel this module does not use.

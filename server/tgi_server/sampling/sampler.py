@@ -20,8 +20,17 @@ import torch
 from .logits_warpers import filter_candidates, filters
 from .penalties import apply_penalties
 from .sampling_params import SamplingParams
-from .vocab_blocks import (BLOCK, CPU_CHUNK_ROWS, NEG_INF, BlockedRows, argsort_rows, exp_rows, greedy_rows,
-                           padded_width, to_device)
+from .vocab_blocks import (
+    BLOCK,
+    CPU_CHUNK_ROWS,
+    NEG_INF,
+    BlockedRows,
+    argsort_rows,
+    exp_rows,
+    greedy_rows,
+    padded_width,
+    to_device,
+)
 from .watermark import Watermark
 
 __all__ = ["LogitsProcessor", "Sampler", "SamplerOutput", "SamplingParams", "draw_uniform",

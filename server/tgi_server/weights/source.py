@@ -5,8 +5,8 @@ on the serving device. A tensor-parallel shard asks for its slice only."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np

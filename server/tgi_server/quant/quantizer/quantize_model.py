@@ -8,12 +8,11 @@ import transformers
 
 from ...weights.resolve import resolve_model
 from ...weights.tokenizer_export import has_tokenizer_files
+from ..quantized_matrix import QuantizedMatrix
 from .awq_search import search_scales
 from .calibration import INPUT_GROUPS, calibration_ids, first_layer_inputs, sample_inputs, sequential_pass, submodule
 from .export import save_quantized
 from .gptq_solver import gptq_quantize
-from ..quantized_matrix import QuantizedMatrix
-
 
 # Families whose decoder layer is calibration.sequential_pass's: a pre-norm
 # attention and a pre-norm gated MLP of gate_proj / up_proj / down_proj.
