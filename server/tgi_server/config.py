@@ -22,7 +22,7 @@ class ShardConfig:
     master_addr: str = "localhost"  # where rank 0 hosts the tensor-parallel rendezvous
     master_port: int = 29500
     # Decode batch sizes captured as CUDA graphs at Warmup (compiled on the
-    # CPU); None: the device's default (cuda_graphs.graph_batch_sizes).
+    # CPU); None: the device's default (decode_graphs.graph_batch_sizes).
     cuda_graphs: tuple[int, ...] | None = ()
     rope: tuple[str, float] | None = None  # (scaling, factor) replacing the checkpoint's RoPE scaling
     cuda_memory_fraction: float = 1.0  # of a GPU's memory the shard may hold when Warmup sizes the cache

@@ -18,7 +18,7 @@ from tgi_kernels import FP8_KV_DTYPES, SOFTCAP_BACKENDS, select_backend
 from tgi_proto import pb
 
 from .batch import StepBatch, build_batch
-from .cuda_graphs import DecodeGraphs, backend_supports_graphs, compile_available, graph_batch_sizes
+from .decode_graphs import DecodeGraphs, backend_supports_graphs, compile_available, graph_batch_sizes
 from .generations import generations as generations_of
 from .kv_cache import KVCache, KVCacheSpec
 from .layers.attention import ForwardContext
@@ -126,7 +126,7 @@ class ModelRunner:
     def _capture_graphs(self, max_batch_size: int) -> DecodeGraphs | None:
         """Decode steps for the requested sizes: CUDA graphs on CUDA with a
         backend that suits them, compiled forwards on the CPU with our C++
-        kernels (cuda_graphs.py); None where neither applies."""
+        kernels (decode_graphs.py); None where neither applies."""
         sizes = graph_batch_sizes(self.cuda_graph_sizes, max_batch_size, self.device)
         if self.device.type not in ("cuda", "cpu") or not sizes:
             return None

@@ -1,4 +1,4 @@
-"""Compiled decode steps on the CPU (cuda_graphs.DecodeGraphs, mode "compile"):
+"""Compiled decode steps on the CPU (decode_graphs.DecodeGraphs, mode "compile"):
 the greedy tokens of SmolLM2 in float32 are transformers' and the eager
 path's, a sequence's logits do not depend on the bucket it is padded into,
 and a shard whose compile fails decodes eagerly."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tgi_proto import pb
-from tgi_server import cuda_graphs
+from tgi_server import decode_graphs
 from tgi_server.batch import build_batch
 from tgi_server.sequences import ShardSequence
 
@@ -22,17 +22,17 @@ TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "
 
 @pytest.fixture
 def compiling(monkeypatch):
-    monkeypatch.setenv(cuda_graphs.COMPILE_ENV, "1")
+    monkeypatch.setenv(decode_graphs.COMPILE_ENV, "1")
 
 
 def _counted(monkeypatch) -> list[int]:
     """The padded size of every compiled step run from now on."""
-    ran, run = [], cuda_graphs.DecodeGraphs.run
+    ran, run = [], decode_graphs.DecodeGraphs.run
 
     def counted(self, batch):
-        ran.append(cuda_graphs.padded_batch_size(self.sizes, batch.num_decode_tokens))
+        ran.append(decode_graphs.padded_batch_size(self.sizes, batch.num_decode_tokens))
         return run(self, batch)
-    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "run", counted)
+    monkeypatch.setattr(decode_graphs.DecodeGraphs, "run", counted)
     return ran
 
 
@@ -53,7 +53,7 @@ def _decode_batch(runner, prompt_lens: list[int], block_tables: list[list[int]])
 def test_smollm2_float32_compiled_greedy_is_transformers_and_eager(tmp_path, smollm2_hf, compiling, monkeypatch):
     hf, tokenizer, gguf_path = smollm2_hf
     # Every row count runs compiled, whatever each Warmup measures: padded steps are what this checks.
-    monkeypatch.setattr(cuda_graphs, "padding_floors", lambda sizes, *_: dict.fromkeys(sizes, 1))
+    monkeypatch.setattr(decode_graphs, "padding_floors", lambda sizes, *_: dict.fromkeys(sizes, 1))
     prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
     expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     with InProcessShard(_dir(tmp_path / "eager"), str(gguf_path), kv_cache_bytes=64 << 20) as shard:
@@ -73,7 +73,7 @@ def test_smollm2_float32_compiled_greedy_is_transformers_and_eager(tmp_path, smo
 
 def test_a_compiled_step_gives_the_eager_logits_whatever_its_padding(tmp_path, compiling):
     """Up to float32's rounding: a GEMM over 4 rows may block its sums
-    differently from one over 3 (as in test_cuda_graphs)."""
+    differently from one over 3 (as in test_decode_graphs)."""
     path = save_tiny_model("llama", tmp_path / "llama")
     with InProcessShard(tmp_path, str(path), cuda_graphs=(2, 4)) as shard:
         runner = shard.runner
@@ -124,13 +124,13 @@ def test_a_failed_compile_decodes_eagerly_with_one_line(tmp_path, compiling, mon
 
 def test_the_switch_and_the_attention_backend_turn_compiling_off(tmp_path, monkeypatch, caplog):
     path = save_tiny_model("llama", tmp_path / "llama")
-    monkeypatch.setenv(cuda_graphs.COMPILE_ENV, "0")
-    assert cuda_graphs.compile_available() == "TGI_CPU_COMPILE=0"
+    monkeypatch.setenv(decode_graphs.COMPILE_ENV, "0")
+    assert decode_graphs.compile_available() == "TGI_CPU_COMPILE=0"
     with caplog.at_level(logging.INFO, "tgi_server"):
         with InProcessShard(_dir(tmp_path / "off"), str(path), cuda_graphs=(1, 2)) as shard:
             asyncio.run(run_prompts(shard.socket, [[1, 2, 3]], 2))
             assert shard.runner.graphs is None
-        monkeypatch.setenv(cuda_graphs.COMPILE_ENV, "1")
+        monkeypatch.setenv(decode_graphs.COMPILE_ENV, "1")
         with InProcessShard(_dir(tmp_path / "sdpa"), str(path), cuda_graphs=(1, 2), backend="sdpa") as shard:
             asyncio.run(run_prompts(shard.socket, [[1, 2, 3]], 2))
             assert shard.runner.graphs is None

@@ -26,7 +26,7 @@ def test_the_check_collects_every_file_with_gpu_tests_and_no_other():
     from benchmarks.gpu_check import gpu_test_files
 
     files = gpu_test_files()
-    assert "tests/kernels/test_triton_kernels.py" in files and "tests/server/test_cuda_graphs.py" in files
+    assert "tests/kernels/test_triton_kernels.py" in files and "tests/server/test_decode_graphs.py" in files
     assert "tests/e2e/test_fuzz.py" not in files  # its schemathesis import is not needed on the GPU machine
     assert "tests/server/test_gpu_check.py" not in files  # names the marker in a string only
     for name in files:

@@ -10,7 +10,7 @@ from tgi_router.launch.shard_processes import shard_command
 from tgi_server.batch import build_batch
 from tgi_server.cli import build_parser, config_from_args
 from tgi_server.config import ShardConfig
-from tgi_server.cuda_graphs import (
+from tgi_server.decode_graphs import (
     DecodeGraphs,
     backend_supports_graphs,
     graph_batch_sizes,
