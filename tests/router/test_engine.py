@@ -1,7 +1,6 @@
 """The engine's step loop with a fake shard client (no model)."""
 
 import asyncio
-import time
 from types import SimpleNamespace
 from unittest.mock import Mock
 
@@ -95,25 +94,57 @@ def test_engine_reports_prefix_cache_blocks_and_chunks():
     assert m["tgi_kv_cache_blocks_cached"] == 2
 
 
-def test_an_idle_engine_waits_for_requests_still_being_validated_but_not_long(monkeypatch):
+def idle_engine() -> Engine:
+    return Engine(FakeClient(), Scheduler(BlockManager(8, 4), max_batch_tokens=64))
+
+
+def frozen_clock(monkeypatch) -> list[float]:
+    """The engine's clock, stopped at 0 until the test moves it ([0] = now)."""
+    now = [0.0]
+    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    return now
+
+
+def test_an_idle_engine_with_nothing_being_validated_does_not_wait():
+    """A lone request: gather returns without yielding to the event loop once."""
+    gather = idle_engine().gather()
+    with pytest.raises(StopIteration):
+        gather.send(None)
+
+
+def test_an_idle_engine_waits_for_requests_still_being_validated(monkeypatch):
     """A burst's first step takes the requests validated alongside the one
-    that woke the engine; a lone request does not wait at all."""
+    that woke the engine: gather ends when the last validation does (the
+    clock stands still, so only that can end it)."""
+    frozen_clock(monkeypatch)
+
     async def go():
-        engine = Engine(FakeClient(), Scheduler(BlockManager(8, 4), max_batch_tokens=64))
-        start = time.perf_counter()
-        await engine.gather()
-        assert time.perf_counter() - start < 0.005  # nothing being validated
+        engine = idle_engine()
         engine.validating = 1
         waiting = asyncio.create_task(engine.gather())
-        await asyncio.sleep(0.01)
+        for _ in range(20):
+            await asyncio.sleep(0)
         assert not waiting.done()
         engine.validating = 0
-        await asyncio.wait_for(waiting, 0.05)
-        monkeypatch.setattr(engine_module, "GATHER_S", 0.02)
+        await asyncio.wait_for(waiting, 30)  # only stops a hang
+    asyncio.run(go())
+
+
+def test_an_idle_engine_waits_for_a_slow_validation_at_most_gather_s(monkeypatch):
+    now = frozen_clock(monkeypatch)
+
+    async def go():
+        engine = idle_engine()
         engine.validating = 1  # a validation that takes long
-        start = time.perf_counter()
-        await engine.gather()
-        assert 0.02 <= time.perf_counter() - start < 0.2
+        waiting = asyncio.create_task(engine.gather())
+        await asyncio.sleep(0)  # gather starts: its deadline is GATHER_S from now
+        now[0] = engine_module.GATHER_S * 0.99
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not waiting.done()
+        now[0] = engine_module.GATHER_S
+        await asyncio.wait_for(waiting, 30)  # only stops a hang
+        assert engine.validating == 1
     asyncio.run(go())
 
 
