@@ -7,7 +7,7 @@ import json
 from .machine import machine_facts
 
 BENCHES = ("engine", "http", "grammar", "structured", "prefix", "quant", "placement", "moe", "watermark", "lora",
-           "kv_fp8", "speculate", "decode_attention", "image")
+           "kv_fp8", "speculate", "decode_attention", "image", "detokenize")
 # Run only when named (not by "all"): `peers` installs and starts other servers.
 OPT_IN = ("peers",)
 

@@ -1,10 +1,9 @@
 """Streaming detokenizer: the text streamed token by token is the text a
-whole decode gives, with no U+FFFD for a character split over tokens, in
-bounded time per token."""
+whole decode gives, with no U+FFFD for a character split over tokens,
+decoding a bounded window per token (`make bench BENCH=detokenize` times it)."""
 
 import subprocess
 import sys
-import time
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -187,20 +186,6 @@ def test_window_stays_bounded_when_the_model_emits_only_invalid_bytes():
     chunks, tail, _ = stream(counting, [], ids)
     assert "".join(chunks) + tail == tok.decode(ids) == REPLACEMENT * 200
     assert max(counting.sizes) <= 2 * MAX_PENDING
-
-
-def test_two_thousand_tokens_in_well_under_100_ms(smollm2):
-    ids = encode(smollm2, " ".join(TEXTS) * 20)[:2000]
-    assert len(ids) == 2000
-    best = float("inf")
-    for _ in range(3):  # best of three: the machine is shared
-        detok = IncrementalDetokenizer(smollm2, ids[:5])
-        start = time.perf_counter()
-        for i in ids:
-            detok.add(i)
-        detok.flush()
-        best = min(best, time.perf_counter() - start)
-    assert best < 0.1
 
 
 def test_router_modules_never_import_torch():
