@@ -19,25 +19,22 @@ On the CPU every heavy op of a step is already one of our C++ kernels
 (tgi_kernels.native, registered with shape functions), so inductor fuses
 little: what compiling takes away is Python's cost around ~15 ops a layer
 (module calls, attribute lookups, the context's dataclasses). Logits come out
-bit for bit the same at the same row count. SmolLM2 in bf16, 2 threads, AMD
-EPYC Zen 4: `make bench BENCH=engine` (whole steps over gRPC, a compiled and
-an eager shard taking turns) measured decode throughput 1.17x at batch 1,
-1.11x at 8, 1.07x at 32, 1.05x at 64 (2026-12-06; 1.06 / 1.06 / 1.03 / 1.01x
-while dynamo still guarded on the model's modules at every step, 0.6-0.8 ms).
-Compiling takes ~10 s a size on two cores, once: inductor's caches live under
-the kernels' cache (`TORCHINDUCTOR_CACHE_DIR`, default
-~/.cache/tgi_kernels/inductor/<machine>), and a restart takes ~3 s a size.
-One dynamic-shape graph for every size gave the forward only 1.02-1.04x.
+bit for bit the same at the same row count. Decode throughput gains most at
+small batches, where that cost is the larger share of a step (figures:
+docs/tuning.md#cpu-compiled-decode-steps, where a dynamic-shape graph for
+every size, which gains less, is recorded too). Compiling takes seconds a
+size, once: inductor's caches live under the kernels' cache
+(`TORCHINDUCTOR_CACHE_DIR`, default ~/.cache/tgi_kernels/inductor/<machine>),
+and a restart takes less.
 
 Padded rows cost the CPU their arithmetic, where a GPU's decode step is
 bound by reading the weights and pads nearly for free: a dense model's CPU
-GEMMs are bound by arithmetic from ~8 rows, and SmolLM2's bf16 step of 20
-rows padded to 32 took 36.4 ms against 24.3 eager, 40 rows padded to 64
-55.5 ms against 45.3. So Warmup times each compiled size
-against eager steps (`_calibrate`, ~1 s) and a step runs compiled only
-from the row count where padding costs less than compiling saves
-(`padding_floors`; SmolLM2 bf16 on 2 Zen 4 cores: 3 rows of 4, 5 of 8, 14
-of 16, 31 of 32, 63 of 64); fewer rows run eagerly.
+GEMMs are bound by arithmetic from ~8 rows, so a step padded up to the next
+size can take longer than the eager step (figures:
+docs/tuning.md#padding-floors). So Warmup times each compiled size against
+eager steps (`_calibrate`) and a step runs compiled only from the row count
+where padding costs less than compiling saves (`padding_floors`); fewer
+rows run eagerly.
 """
 
 import logging
@@ -57,9 +54,9 @@ from .layers.attention import ForwardContext
 log = logging.getLogger("tgi_server")
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)  # TGI's default for --cuda-graphs
-# On CPUs also 64: SmolLM2's bf16 decode step of 64 rows took 59.9 ms compiled
-# against 63.5 eager (2 cores), for ~3 s more at each start (~10 s the
-# first time); padding_floors keeps the rows between 33 and ~60 eager.
+# On CPUs also 64: compiled, a full step of 64 rows still beats the eager one, for one
+# more size to compile at each start (figures: docs/tuning.md#cpu-default-batch-sizes);
+# padding_floors keeps the rows between 33 and ~60 eager.
 CPU_DEFAULT_BATCH_SIZES = DEFAULT_BATCH_SIZES + (64,)
 COMPILE_ENV = "TGI_CPU_COMPILE"  # "0": CPU shards run decode steps eagerly
 FLASH_PAGED_BLOCK = 256  # flash-attn reads a paged cache only for block sizes divisible by this
@@ -129,7 +126,7 @@ def _inductor_cache() -> None:
     caller, or inductor itself once it ran, chose), one folder per
     machine_tag: inductor reused code it had generated for AVX-512 when the
     same machine ran with ATEN_CPU_CAPABILITY=avx2, and the logits were wrong
-    (6.7 off on a tiny llama; right from a fresh cache)."""
+    (right from a fresh cache; docs/tuning.md#cpu-compiled-decode-steps)."""
     tag = machine_tag()
     base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(cache_root() / "inductor")
     if os.path.basename(base) != tag:
@@ -153,7 +150,7 @@ class DecodeGraphs:
     mirrored in pinned host memory: a step writes its inputs and padding on
     the host and sends each buffer in one asynchronous copy, where copying
     field by field took a dozen launches and blocking copies while the GPU
-    idled (~0.3 ms a step, a sixth of a 1.1B model's decode step on an H200)."""
+    idled (figures: docs/tuning.md#cuda-graph-inputs)."""
 
     def __init__(self, forward: Callable[[torch.Tensor, ForwardContext], torch.Tensor],
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: str, block_size: int,
@@ -216,8 +213,8 @@ class DecodeGraphs:
         # One graph, no breaks (fullgraph), specialized to this size; no size
         # asserts: inductor would check every op's output strides each step.
         # No guards on the model's modules: dynamo would check the attributes
-        # of its ~400 modules at every step (0.6-0.8 ms: SmolLM2's batch-1
-        # step 5.1 -> 4.4 ms without them). They never change once loaded:
+        # of its ~400 modules at every step (figures:
+        # docs/tuning.md#cpu-compiled-decode-steps). They never change once loaded:
         # every attribute is set at load, and a new model or cache is a new
         # DecodeGraphs after torch._dynamo.reset(). Guards on the inputs and
         # on globals (the thread count) stay.

@@ -46,8 +46,8 @@ def default_dtype(device: torch.device) -> torch.dtype:
 def default_quant_kernel_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype | None:
     """Where the serving dtype was not asked for: bfloat16 activations in the
     quantized CPU kernels of a float32 model. torch's int4 and int8 kernels are
-    vectorized only for bf16 (at SmolLM2's shapes, one row: int4 0.9 ms in
-    float32 against 0.04 ms; int8 0.64 against 0.06), on AVX2 too; and float32
+    vectorized only for bf16, on AVX2 too (figures:
+    docs/tuning.md#bf16-kernels-for-float32-models); and float32
     is the default only on CPUs that lack bf16, where bf16 GEMMs elsewhere
     would be slow. --dtype float32 keeps float32 exact throughout."""
     return torch.bfloat16 if device.type == "cpu" and dtype == torch.float32 else None

@@ -1,8 +1,9 @@
 """The shard's servicer: translates calls (tgi_proto.rpc) into ModelRunner work.
 
 Model calls run on the event loop's own thread, one at a time, as TGI's
-shards do: handing them to a worker thread measured ~15% slower per decode
-step on 2 cores (the two threads contend for the GIL between torch ops).
+shards do: handing them to a worker thread made decode steps slower, the
+two threads contending for the GIL between torch ops
+(figures: docs/tuning.md#model-calls-on-the-event-loop).
 A call that arrives during a step waits for it. A Step sent before the
 previous one's answer (async scheduling) names that step in after_step_id
 and runs only once it has finished, whatever order the calls arrive in."""

@@ -2,18 +2,18 @@
 
 A decode step holds ~300 parallel regions, each ending with every thread
 waiting for the slowest. libgomp's threads spin a while before they sleep:
-on a quiet host that saves ~3 ms a step of wake-ups (default model, 2-core
-Zen 3: ITL 10.7 ms spinning against 13.4 sleeping), but beside a busy
-process a spinning thread burns the share of CPU the thread it waits for
-needed (the c=1 stream kept 24% of its quiet speed, sleeping threads 60%,
-one thread 70%). So threads spin, and there are only as many as cores that
-other processes leave free: every PERIOD_S the governor reads how busy the
-cores this process may run on were (/proc/stat), takes away this process's
-own CPU time, and counts a core as taken where others kept it busy at least
-half the time. Fewer threads never change a result: every kernel the shard
-runs splits its work over threads by output rows or heads, never by the
-summed dimension (tests/server/test_thread_governor.py holds greedy tokens
-and logits to that)."""
+on a quiet host that saves the wake-ups, but beside a busy process a
+spinning thread burns the share of CPU the thread it waits for needed, and
+one thread then keeps more of its quiet speed than several, spinning or
+not (figures: docs/tuning.md#thread-governor). So threads spin, and there
+are only as many as cores that other processes leave free: every PERIOD_S
+the governor reads how busy the cores this process may run on were
+(/proc/stat), takes away this process's own CPU time, and counts a core as
+taken where others kept it busy at least half the time. Fewer threads
+never change a result: every kernel the shard runs splits its work over
+threads by output rows or heads, never by the summed dimension
+(tests/server/test_thread_governor.py holds greedy tokens and logits to
+that)."""
 
 import asyncio
 import logging

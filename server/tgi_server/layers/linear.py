@@ -22,10 +22,10 @@ from ..weights.source import TensorSource
 from .lora import column_lora, row_lora
 
 # oneDNN repacks a plain bf16 weight into its blocked layout on every call;
-# packing once at load time made SmolLM2's linears 26% (batch 1) to 40%
-# (batch 64) faster on a 2-core AMX CPU. It is what serves a weight our own
+# packing once at load time is faster at every batch (figures:
+# docs/tuning.md#onednn-prepacked-weights). It is what serves a weight our own
 # GEMMs do not (csrc/f32_gemm.cpp, csrc/bf16_gemm.cpp). The hint is the batch
-# it tunes for (None, 8, 32 and 128 measured within noise of each other there).
+# it tunes for; the choice hardly matters.
 PACK_BATCH_HINT = 32
 
 
@@ -51,12 +51,11 @@ def _our_gemm(weight: torch.Tensor):
     else None.
     float32 (csrc/f32_gemm.cpp), on every CPU our kernels build for: it reads
     weights packed once at load, where oneDNN's prepacked GEMM still packs x
-    and MKL's sgemm packs both per call. SmolLM2's 30 layers, weights cold,
-    2-core Zen 3 (AVX2): 15.9 / 20.3 / 48.3 / 84.9 / 586 ms at 1 / 8 / 32 /
-    64 / 512 rows against oneDNN's 21.3 / 32.5 / 81.9 / 108 / 686.
+    and MKL's sgemm packs both per call.
     bf16 (csrc/bf16_gemm.cpp) with an even number of columns, on CPUs with
-    AVX512-BF16 but no AMX (where oneDNN's tile kernels win): 1.1-2x
-    oneDNN's at 1 to 512 rows on Zen 4."""
+    AVX512-BF16 but no AMX (where oneDNN's tile kernels win).
+    Both beat oneDNN's from 1 to 512 rows (figures: docs/tuning.md#float32-gemm,
+    docs/tuning.md#bf16-gemm)."""
     if weight.device.type != "cpu":
         return None
     ops = native_ops()

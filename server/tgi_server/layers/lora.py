@@ -8,9 +8,8 @@ adapter's tokens are one or two contiguous runs of rows (its decodes, its
 prefills): per run, one GEMM x A^T and one addmm of B into the output
 rows, in place; nothing loops over tokens or gathers them. On the CPU one
 C++ call per layer does every run of fewer than GEMM_ROWS rows
-(csrc/lora.cpp): torch's GEMM pairs cost ~35-70 us each at decode's sizes,
-~40 ms of a 32-row decode step of SmolLM2 with 4 adapters on every linear
-(the step itself: ~32 ms); the kernel's calls take ~6 ms.
+(csrc/lora.cpp): at decode's sizes torch's GEMM pairs cost more in set-up
+than the whole step (figures: docs/tuning.md#lora-kernel).
 
 Tensor parallelism: a column-parallel layer (q/k/v, gate/up: rows of the
 output split over the ranks) keeps A whole and its rows of B; a
@@ -32,10 +31,9 @@ from ..distributed import TensorParallel
 from ..weights.errors import CheckpointError
 from ..weights.lora_adapters import Adapter
 
-# Runs of at least this many rows go to torch's GEMMs on the CPU too: a 4,096-row
-# prefill of SmolLM2 with 4 adapters on every linear took 2.2-2.3 s that way against
-# 2.7 s all through the C++ kernel (the base model alone: 1.9 s), while below it
-# the GEMMs' fixed cost per call dominates.
+# Runs of at least this many rows go to torch's GEMMs on the CPU too: there they beat the
+# C++ kernel on long prefills, while below it the GEMMs' fixed cost per call dominates
+# (figures: docs/tuning.md#lora-kernel).
 GEMM_ROWS = 64
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # csrc/lora.cpp's (float64 takes the GEMMs)
 KERNEL_MAX_RANK = 1024  # csrc/lora.cpp's kMaxRank: a layer's rank per adapter (a fused layer's parts summed)
@@ -115,9 +113,9 @@ class LoraLinear(nn.Module):
     shorter than GEMM_ROWS in one call; longer ones, and every run
     elsewhere, are a GEMM pair each, the second an addmm into the output
     rows in place. (Stacking every adapter's A and masking each
-    row's columns instead, two GEMMs for all adapters at once, measured
-    1.4x slower at 4 adapters of rank 16 on SmolLM2: the masked GEMMs do
-    4x the arithmetic, which at these sizes costs more than the calls.)"""
+    row's columns instead, two GEMMs for all adapters at once, was slower:
+    the masked GEMMs do the arithmetic of every adapter on every row, which
+    at these sizes costs more than the calls; docs/tuning.md#lora-kernel.)"""
 
     def __init__(self, base: nn.Module, deltas: dict[int, tuple[torch.Tensor, torch.Tensor]], adapters: int,
                  batch: LoraBatch, reduce: TensorParallel | None, dtype: torch.dtype, device: torch.device):

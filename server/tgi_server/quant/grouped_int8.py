@@ -4,15 +4,13 @@ on our C++ GEMV (csrc/int8_gemv.cpp).
 
 It serves the LM head of a GGUF file whose head is Q8_0, as SmolLM2's tied
 token embedding is: at one row it reads 30 MB where the dense bf16 head
-reads 56 MB (0.9 against 2.8 ms, 2 threads, Zen 4); and, where the int8
+reads 56 MB (figures: docs/tuning.md#grouped-int8-head); and, where the int8
 activations below run (`serves`), a GGUF file's Q8_0 linears
 (QuantLinear's "grouped_int8"). Two kernels:
 - bf16 / fp16 activations on AVX512-VNNI: x quantized to int8 per 32
   columns (llama.cpp's Q8_0 x Q8_0 product) and summed in integers, 64
-  products an instruction. It beats the dense bf16 GEMM at every row count
-  (SmolLM2's head, 2 threads, Zen 4 with AVX512-BF16: 0.8 / 1.6 / 3.2 / 6.2 /
-  12.1 ms at 8 / 16 / 32 / 64 / 128 rows against 1.4 / 2.2 / 4.4 / 8.3 /
-  16.2), so the head takes it for every step.
+  products an instruction. It beats the dense bf16 GEMM at every row count,
+  so the head takes it for every step.
 - elsewhere, x in float and the int8 values widened: one multiply-add per
   weight and row, float32 exact to rounding; past GEMV_MAX_ROWS rows the
   dense GEMM wins and the head keeps it for them."""
@@ -26,8 +24,8 @@ from .quantized_matrix import QuantizedMatrix
 
 LANES = 16  # output rows a block of the kernel's layout holds
 # Rows up to which the GEMV beats oneDNN's prepacked bf16 GEMM at SmolLM2's head
-# [49152, 576] (2 threads, Zen 4 with AVX512-BF16): 0.9 / 1.3 / 2.3 / 4.8 ms at
-# 1 / 4 / 8 / 16 rows against 2.8 / 2.3 / 3.1 / 4.2 ms.
+# [49152, 576]: reading half the bytes wins until the dense GEMM's arithmetic does
+# (figures: docs/tuning.md#grouped-int8-head).
 GEMV_MAX_ROWS = 8
 
 

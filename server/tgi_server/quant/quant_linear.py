@@ -15,13 +15,12 @@ On CPU, chosen once at load:
   The GEMV of a bf16 or fp16 model, or of a float32 one whose kernel_dtype
   is bf16 (no --dtype float32), quantizes x to int8 per row and 32 columns
   on the way, as llama.cpp does (csrc/int4_vnni.h): integer dot products.
-  With AVX512-VNNI and -VBMI, ~2x the float GEMV's speed where it is compute
-  bound (8 rows and more), ~15% at one row, where it reads memory; with AVX2
-  (a 2-core Zen 1), 1.5-2.2x at one row and 1.3-1.9x at 8 to 64 rows, taking
-  SmolLM2's 120 int4 matrices at one row from 16 to 8.2 ms. In a float32
-  model it also takes prefill, up to 1024 rows ("int8x" below), where it
-  beats the dequantized GEMM. --dtype float32 keeps the float GEMV, exact to
-  float32 rounding.
+  Faster than the float GEMV with AVX512-VNNI and -VBMI and with AVX2, most
+  where it is compute bound (8 rows and more), still ahead at one row, where
+  it reads memory (figures: docs/tuning.md#int4-int8-activation-gemv). In a
+  float32 model it also takes prefill, up to INT4_GEMV_MAX_ROWS["int8x"]
+  rows, where it beats the dequantized GEMM. --dtype float32 keeps the float
+  GEMV, exact to float32 rounding.
   Elsewhere torch's packed int4 GEMM (`_weight_int4pack_mm_for_cpu`, groups
   of 32/64/128/256, N % 16 == 0).
   It computes w = (q - 8) * scale + zero, so zero = offset + 8 * scale.
@@ -37,7 +36,7 @@ On CPU, chosen once at load:
   into a dense GEMM past INT8_KERNEL_MAX_ROWS rows (in fp32/fp16 at any size).
 `kernel_dtype` bfloat16 with float32 activations feeds both torch kernels bf16
 (x rounded to bf16, scales and output too): what the shard does in float32
-unless --dtype float32 was asked for (shard.py), 10-20x faster per GEMM.
+unless --dtype float32 was asked for (shard.py), several times faster per GEMM.
 
 On CUDA, "triton": 4- and 8-bit weights of any grouping (act-order too) in
 our Triton kernel (tgi_kernels/triton/quant_matmul_kernel.py): dequantized
@@ -63,35 +62,24 @@ from .quantized_matrix import QuantizedMatrix
 INT4_GROUP_SIZES = (256, 128, 64, 32)
 # Our int4 layout: 16 output rows a block, groups of a multiple of 32 columns.
 LANES, LANE_GROUP = 16, 32
-# Rows up to which our GEMV beats dequantizing into tiles / a dense GEMM (bf16 with AMX under
-# "amx"), measured at SmolLM2's shapes summed, one thread: bf16 AMX 12.0 / 14.9 / 18.6 ms against
-# 14.1 / 14.4 / 14.3 at 4 / 6 / 8 rows over its 120 matrices (cold, as in decode); bf16 without
-# AMX (oneDNN's AVX512-BF16 GEMM) 5.4 against 7.0 ms at 64 rows; fp32 and fp16 at 32 rows 2.5 against
-# 2.7-2.8 ms compiled for AVX-512, but for AVX2 (two ymm a vector) fp32 2.2 against 2.0 at 16
-# (emulated on Zen 4). On a real 2-core Zen 1 (AVX2, float32 served) the dequantized GEMM's
-# at::mm (MKL) is slow at few rows: SmolLM2's decode step took 292-326 / 467-530 ms at batch
-# 32 / 64 past 16 or 32 rows against 204 / 398 ms with the float GEMV up to 64 rows.
-# bf16 with AVX512-BF16 ("bf16_gemm_int8x": the int8-activation GEMV, on AVX512-VNNI there, against
-# blocks dequantized into the bf16 GEMM's tiles), 2 threads, Zen 4, the 120 matrices cold: 7.1 /
-# 13.2 / 25.0 / 48.1 / 210 / 857 ms against 12.9 / 20.4 / 35.1 / 64.7 / 249 / 998 at 16 / 32 / 64 /
-# 128 / 512 / 2048 rows: vpdpbusd does twice vdpbf16ps's products an instruction, and the GEMV
-# takes every step up to a prefill of 4096 tokens. Before x was quantized a vector at a time it
-# took 46.3 against 42.4 ms at 64 rows and the limit was 48: kept ("bf16_gemm") for a CPU with
-# AVX512-BF16 but without AVX512-VBMI (Cooper Lake), whose GEMV is the float one.
-# A float32 layer's int8-activation GEMV ("int8x") keeps up with the dequantized GEMM far
-# longer: on a 2-core Zen 3 (AVX2, vpmaddubsw) SmolLM2's [1536, 576] / [576, 1536] / [3072, 576]
-# took 2.1 / 2.3 / 4.7 ms at 128 rows against 3.8 / 3.0 / 9.3 dequantized (MKL), 8.6 / 9.0 /
-# 12.9 against 10.9 / 8.9 / 20.6 at 512, 66 against 81 ms summed at 1024, about even at 2048.
+# Rows up to which our GEMV beats dequantizing into tiles / a dense GEMM, by path: the GEMV
+# reads a quarter of the dense bytes, but past a few rows arithmetic, not reading, sets the
+# time. "amx": bf16 with AMX, whose tiles win from a few rows. "bf16_gemm_int8x": bf16 with AVX512-BF16, the int8-activation GEMV
+# (AVX512-VNNI) against blocks dequantized into the bf16 GEMM's tiles: vpdpbusd does twice
+# vdpbf16ps's products an instruction, so the GEMV takes every step up to a 4096-token prefill.
+# "bf16_gemm": the same CPU without AVX512-VBMI (Cooper Lake), whose GEMV is the float one.
+# "int8x": a float32 layer's int8-activation GEMV (AVX2 vpmaddubsw), which keeps up with the
+# dequantized GEMM far longer than the float GEMV. By dtype, the float GEMV: float32's limit is
+# high because on AVX2 the dequantized GEMM's at::mm (MKL) is slow at few rows.
+# Figures: docs/tuning.md#int4-row-limits.
 INT4_GEMV_MAX_ROWS = {"amx": 5, "bf16_gemm_int8x": 4096, "bf16_gemm": 48, "int8x": 1024, torch.bfloat16: 64,
                       torch.float16: 16, torch.float32: 64}
-# Rows up to which the packed int4 kernel beats unpack + dense GEMM, measured at SmolLM2's
-# shapes ([1536, 576] and [576, 1536], 2 threads, AVX-512 and AVX2 dispatch alike): bf16 int4
-# takes 0.66 ms at 128 rows against 0.6 ms to unpack + 0.3 dense; fp32 and fp16 int4 are
-# scalar, 0.64-0.74 ms at one row against 0.3-0.4 ms to unpack + 0.05 dense.
+# Rows up to which torch's packed int4 kernel beats unpack + dense GEMM: its bf16 path is
+# vectorized; its fp32 and fp16 paths are scalar and lose from one row
+# (figures: docs/tuning.md#torch-int4-kernel-row-limits).
 INT4_KERNEL_MAX_ROWS = {torch.bfloat16: 128, torch.float16: 0, torch.float32: 0}
-# Rows up to which `_weight_int8pack_mm` beats dequantize + dense GEMM, measured on this CPU at
-# [1536, 576], 2 threads: bf16 0.05 / 0.17 / 0.72 / 2.6 ms at 1 / 8 / 32 / 128 rows against
-# 0.6 / 0.6 / 0.57 / 1.1 ms dense; fp32 0.82 / 28 ms at 1 / 32 rows against 0.45 / 3.2 ms.
+# Rows up to which `_weight_int8pack_mm` beats dequantize + dense GEMM: vectorized for bf16
+# only; in fp32 it loses from one row (figures: docs/tuning.md#torch-int8-kernel-row-limits).
 INT8_KERNEL_MAX_ROWS = {torch.bfloat16: 24, torch.float16: 0, torch.float32: 0}
 # Rows per block of the packed layout, by the dispatch torch picked: AVX512 64, AVX2 32 (see unpack_int4pack).
 UNPACK_BLOCKS = (64, 32)
@@ -132,7 +120,8 @@ def unpack_int4pack(packed: torch.Tensor, n: int, k: int, block: int,
     first half of rows and high nibbles the second. QuantLinear checks the round trip at
     load, so a torch with another layout only loses the dense path."""
     p = packed.view(n // block, k, block // 2)  # [N / block, K, block / 2]
-    # Each half written once, converted on the way: 4x faster than cat + transpose + cast.
+    # Each half written once, converted on the way: faster than cat + transpose + cast
+    # (docs/tuning.md#torch-int4-kernel-row-limits).
     q = torch.empty(n // block, 2, block // 2, k, dtype=dtype)  # [N / block, 2, block / 2, K]
     q[:, 0].copy_((p & 15).transpose(1, 2))
     q[:, 1].copy_((p >> 4).transpose(1, 2))

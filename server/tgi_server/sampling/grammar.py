@@ -203,8 +203,8 @@ class GrammarMask:
         batch, vocab = logits.shape
         # One bit per token, 32 tokens per int32 word: [R, ceil(V / 32)], filled on the
         # CPU row by row (~30 us a row for JSON Schema on a 49k vocabulary).
-        # llguidance's parallel fill (LLExecutor) was slower here: its worker
-        # threads compete with torch's for the cores during the forward.
+        # Not llguidance's parallel fill (LLExecutor): its worker threads
+        # compete with torch's for the cores during the forward.
         words = np.empty(llg_numpy.get_bitmask_shape(len(self.rows), vocab), dtype=np.int32)
         for i, (g, prefix) in enumerate(zip(self.grammars, self.prefixes)):
             if prefix:  # the state after the drafts, then back

@@ -27,7 +27,7 @@ BLOCK = 64
 NEG_INF = float("-inf")
 CPU_CHUNK_ROWS = 4  # rows per exp pass on CPU, so that temporaries stay in cache
 # Above this k, CPU sorts and topk go through numpy, whose vectorized sorts
-# are 2-4x faster than torch's on CPU.
+# are faster than torch's on CPU (figures: docs/tuning.md#numpy-sorts).
 _NUMPY_SORT_MIN_K = 16
 
 

@@ -130,7 +130,8 @@ def load_gguf_tokenizer(path: str | os.PathLike):
     path = Path(path)
     arch = _architecture(_open(path), path)
     try:
-        # Not AutoTokenizer: it also parses the whole file into a config first (~6 s for SmolLM2, vs 0.3 s).
+        # Not AutoTokenizer: it also parses the whole file into a config first, many times slower
+        # (figures: docs/tuning.md#gguf-reader).
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as err:  # transformers raises many types for a vocabulary it cannot convert
         raise CheckpointError(f"{path}: cannot build the tokenizer ({_one_line(err)})") from None
@@ -155,9 +156,10 @@ def _open(path: Path) -> GGUFReader:
 @functools.lru_cache(maxsize=2)
 def _read(path: Path, mtime_ns: int, size: int) -> GGUFReader:
     """The parsed file, kept while it is unchanged (mtime_ns and size are
-    the key): parsing SmolLM2's metadata (its 49k-token vocabulary) takes
-    ~1.1 s, and a shard reads the file twice (weights, then the tokenizer),
-    the quantizer and the tests many times. Readers are only read from."""
+    the key): parsing a file's metadata (a vocabulary of tens of thousands
+    of tokens) is not free (docs/tuning.md#gguf-reader), and a shard reads
+    the file twice (weights, then the tokenizer), the quantizer and the
+    tests many times. Readers are only read from."""
     try:
         reader = FastGGUFReader(path, "r")
     except Exception as err:  # the reader raises ValueError, KeyError, struct errors... on bad bytes

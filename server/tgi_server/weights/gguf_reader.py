@@ -3,14 +3,14 @@ in a fraction of the time.
 
 GGUFReader parses an array field element by element, through numpy.memmap
 slices (whose Python hooks run on every slice) and a recursive call per
-element: SmolLM2's file (49k tokens, scores and token types) took 2.9 s, and
-0.7 s over a plain-ndarray view of the map, at every shard start; this
-reader takes 0.13 s (2026-12-06, Zen 4). It reads that view too, and parses
-arrays of scalars in one view and arrays of strings in one pass over the
-bytes, building each element's parts as GGUFReader does (one [1] array per
-scalar; a [1] uint64 length and its uint8 bytes per string), so that code
-written against ReaderField (ours, transformers' GGUF loader) reads the same
-values. Arrays of arrays keep GGUFReader's own path."""
+element, which for a vocabulary's arrays (tokens, scores, token types)
+costs seconds at every shard start (figures: docs/tuning.md#gguf-reader).
+This reader reads a plain-ndarray view of the map, and parses arrays of
+scalars in one view and arrays of strings in one pass over the bytes,
+building each element's parts as GGUFReader does (one [1] array per scalar;
+a [1] uint64 length and its uint8 bytes per string), so that code written
+against ReaderField (ours, transformers' GGUF loader) reads the same values.
+Arrays of arrays keep GGUFReader's own path."""
 
 from __future__ import annotations
 

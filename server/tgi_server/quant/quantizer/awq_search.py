@@ -10,8 +10,8 @@ import torch
 
 from ..quantized_matrix import quantize_rtn
 
-# alpha in 0, 0.1, ..., 0.9. On SmolLM2 (groups of 32) 10 points measured better than 20
-# (perplexity +6.7% against +8.7% of bf16: the best alpha on calibration data is noisy) in 3/4 of the time.
+# alpha in 0, 0.1, ..., 0.9: a finer grid overfits the calibration data, on which the best
+# alpha is noisy, and takes longer (figures: docs/tuning.md#awq-grid).
 GRID = 10
 
 
