@@ -10,7 +10,7 @@ AVX-512, bf16 instructions where present), so its cache key holds the CPU's
 flags as well as the sources, the compiler flags and the torch version: a
 machine handed to a later session with another CPU builds its own. It is
 built by `make install` (python -m tgi_kernels.native) and in the Docker
-image, else on first use (~15 s a source on 2 cores), never at every start;
+image, else on first use (docs/tuning.md#native-build), never at every start;
 concurrent shards of one group wait on a file lock for one build.
 """
 
@@ -39,9 +39,9 @@ SOURCES = Path(__file__).with_name("csrc")
 # runtime, one thread pool: the soname is already loaded when it loads).
 # -fno-trapping-math: no kernel reads the FP exception flags; without it GCC
 # 12 keeps exp_approx's clamps as branches on AVX2 (AVX-512 masks them), so
-# every loop over it (silu_mul, the AVX2 softmax) stayed scalar: SwiGLU over
-# [512, 1536] took 3.9 ms on a 2-core Zen 3. Results move only where a sum
-# now vectorizes (its order of additions: float32 rounding).
+# every loop over it (silu_mul, the AVX2 softmax) stayed scalar (figures:
+# docs/tuning.md#native-build). Results move only where a sum now vectorizes
+# (its order of additions: float32 rounding).
 CXXFLAGS = ["-O3", "-march=native", "-std=c++20", "-fPIC", "-fopenmp", "-fno-trapping-math", "-DNDEBUG", "-w"]
 LIBRARY = "tgi_cpu"
 

@@ -1,16 +1,16 @@
 """Fast attention on top of torch's scaled_dot_product_attention (the CPU serving path).
 
 Decode is batched: the blocks of every sequence are gathered into one dense
-[B, L, KVH, D] tensor (one index_select, a few times faster than advanced
-indexing) and attended with a boolean length mask. The G query heads sharing a
-KV head are folded into SDPA's query-length axis ([B, KVH, G, D]), so GQA needs
-neither repeat_interleave nor enable_gqa; on a 2-core AMX CPU this measured
-fastest of the variants tried.
+[B, L, KVH, D] tensor (one index_select, faster than advanced indexing) and
+attended with a boolean length mask. The G query heads sharing a KV head are
+folded into SDPA's query-length axis ([B, KVH, G, D]), so GQA needs neither
+repeat_interleave nor enable_gqa: the fastest layout (figures and what else
+was tried: docs/tuning.md#sdpa-backend-layouts).
 
 Prefill loops over sequences (it is compute bound) and calls SDPA once each,
 with is_causal when nothing but the chunk is visible and an explicit mask when
 a cached prefix or a sliding window is involved. GQA there uses enable_gqa,
-which measured faster than repeat_interleave copies.
+faster than repeat_interleave copies.
 
 SDPA has no soft cap: with softcap > 0 (gemma2) the same layouts go through
 `_capped` instead, the scores written out, capped, masked and softmaxed.
@@ -124,7 +124,8 @@ def _prefill_one(
     softcap: float,
 ) -> torch.Tensor:
     """Attention of one sequence's chunk: query [n, H, D], key/value [n, KVH, D] -> [n, H, D]."""
-    # SDPA gets 4-D inputs: on CPU, 3-D ones miss the flash kernel and run ~10x slower.
+    # SDPA gets 4-D inputs: on CPU, 3-D ones miss the flash kernel and run far slower
+    # (docs/tuning.md#sdpa-backend-layouts).
     q = query.transpose(0, 1)[None]  # [1, H, n, D]
     if prefix == 0 and sliding_window == 0 and softcap == 0:
         k, v = key.transpose(0, 1)[None], value.transpose(0, 1)[None]  # [1, KVH, n, D]

@@ -1,8 +1,8 @@
 // Paged decode attention that reads each sequence's blocks in place, and the
 // rotary + KV-store step that precedes it. The torch path gathers every
 // sequence's blocks, padded to the longest context, into a dense copy and
-// runs SDPA with a mask: at 32 sequences of 192 tokens (SmolLM2, bf16) it
-// took ~1.1 ms a layer, this ~0.1 ms.
+// runs SDPA with a mask, an order of magnitude slower (figures:
+// docs/tuning.md#cpu-paged-decode-attention).
 #include "common.h"
 #include "decode_bf16.h"
 #include "decode_rows.h"
@@ -122,9 +122,8 @@ void decode_heads(const T* q, const C* k_cache, const C* v_cache, int64_t block_
 // chunk of up to kChunk tokens of one block is then one contiguous run of
 // the cache ([tokens, hp heads, D]), widened to float once; each query head
 // takes a dot product per key (one horizontal sum each) and accumulates the
-// values with the softmax rescale folded into the first multiply. On SmolLM2
-// (3 kv heads of 64, G = 3, bf16, AVX-512 on Zen 4, 32 sequences of 192 or
-// 1,024 tokens) this took 1.3-1.6x less time than decode_one a kv head.
+// values with the softmax rescale folded into the first multiply: faster
+// than decode_one a kv head (figures: docs/tuning.md#cpu-paged-decode-attention).
 constexpr int64_t kChunk = 16, kMaxRow = 1024;  // floats of one token's hp heads
 
 template <typename T, typename C, int64_t kD>
@@ -177,7 +176,8 @@ void decode_heads_vec(const T* q, const C* k_cache, const C* v_cache, int64_t bl
         // A whole chunk: 16 dot products as 16 vectors of partial sums, then
         // transpose-reduces (lane_sums: one with AVX-512, two with AVX2) give
         // the 16 scores, whose online softmax step stays in registers (the
-        // scalar loop's call took a third of the kernel's time).
+        // scalar loop's call took much of the kernel's time:
+        // docs/tuning.md#cpu-paged-decode-attention).
         constexpr int64_t kV = kChunk / kWidth;  // score vectors: 1 (AVX-512) or 2 (AVX2)
         R a[kChunk], scores[kV];
 #pragma GCC unroll 16

@@ -9,11 +9,9 @@
 // vdpbf16ps wants, and x's pair is its embedded broadcast: a tile of up to 8
 // rows of x by 32 output columns keeps 16 accumulators, and each line loaded
 // serves every row. Each output sums over K in the same order whatever M is,
-// so a sequence's logits do not depend on the batch it is in.
-//
-// Against oneDNN's prepacked bf16 GEMM (what Linear used), SmolLM2's 30
-// layers + head, 2 threads, Zen 4, weights warm: 3.6 / 7.2 / 21.5 / 40.5 /
-// 337 ms at 1 / 8 / 32 / 64 / 512 rows against 7.4 / 11.1 / 25.8 / 45.3 / 362.
+// so a sequence's logits do not depend on the batch it is in. It beats
+// oneDNN's prepacked bf16 GEMM (what Linear used) from 1 to 512 rows
+// (figures: docs/tuning.md#bf16-gemm).
 #include "common.h"
 #include "lanes.h"
 #include "bf16_tile.h"
@@ -31,10 +29,8 @@ using bf16_tile::tile;
 // Row tiles a work item takes: x in chunks of about kChunkBytes, so that a
 // chunk stays in the core's L2 while block after block runs over it. One
 // item per block pair over all of x instead re-read x (4.7 MB at 4,096 rows
-// of K = 576, 12.6 MB at K = 1,536) from L3 or memory for every pair. 2
-// threads, Zen 4 (1 MB L2 a core), 4,096 rows: SmolLM2's down projection
-// 18.0 -> 16.0 ms, gate_up 33.7 -> 33.1, qkv and o within noise; a
-// 4,096-token prefill of the whole model 2.29 -> 2.23 s. A chunk holds at
+// of K = 576, 12.6 MB at K = 1,536) from L3 or memory for every pair
+// (figures: docs/tuning.md#bf16-gemm-row-chunks). A chunk holds at
 // least kMinChunkTiles tiles (128 rows): each chunk streams the weights
 // again, and a decode step of up to 128 rows, whose time is the weights'
 // reading at large K, stays one chunk.
@@ -65,9 +61,8 @@ void gemm(const c10::BFloat16* x, const c10::BFloat16* w, const float* bias, int
     const c10::BFloat16* wb = w + b * K * kLanes;
     // The next pair of blocks (the last pair: none) loads while this one's
     // row tiles run (ahead_slice): it reached L2 only once the first tile
-    // asked for it, with that tile's own 2 KB-ahead prefetch. SmolLM2 decode
-    // steps, bf16, 2 threads, Zen 4, steps alternated: 24.4 -> 21.3 ms at 16
-    // rows, 37.1 -> 34.7 at 32, 65.8 -> 63.2 at 64 (this GEMM and the gated one).
+    // asked for it, with that tile's own 2 KB-ahead prefetch (figures:
+    // docs/tuning.md#bf16-gemm-next-block-prefetch).
     const int64_t next = std::min<int64_t>(2, std::max<int64_t>(0, blocks - b - 2));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t m0 = t * kRows;

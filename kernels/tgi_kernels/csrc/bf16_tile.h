@@ -47,7 +47,8 @@ inline Ahead ahead_slice(const c10::BFloat16* next, int64_t nb, int64_t K, int64
 template <int MR, int NB>
 void tile_sums(const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, float* sums, Ahead ahead = {}) {
   // Unrolled in full (GCC unrolls these loops only partly by itself): the
-  // accumulators then live in registers, not on the stack (2.5x slower).
+  // accumulators then live in registers, not on the stack (much slower:
+  // docs/tuning.md#bf16-gemm).
   __m512 acc[MR][NB];
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
@@ -60,7 +61,7 @@ void tile_sums(const c10::BFloat16* x, const c10::BFloat16* w, int64_t K, float*
     for (int b = 0; b < NB; ++b) {
       wv[b] = _mm512_loadu_si512(w + b * block + p * 2 * kLanes);
       // 32 lines (2 KB) ahead, into L2: into L1 (prefetcht0) they filled the
-      // core's few L1 miss buffers and one row ran 15-25% slower (docs/architecture.md).
+      // core's few L1 miss buffers (figures: docs/tuning.md#weight-prefetch-distance).
       if (!ahead.lines) __builtin_prefetch(w + b * block + (p + 32) * 2 * kLanes, 0, 2);
     }
     if (p < ahead.count) __builtin_prefetch(ahead.lines + p * 64, 0, 2);

@@ -26,8 +26,7 @@
 // a bf16 value), by two 128-entry byte lookups (fp8_to_bf16), into buffers
 // the passes read as they read a bf16 cache's rows.
 //
-// SmolLM2 (9 query heads, 3 kv heads of 64, bf16), 64 sequences of 192
-// tokens, 2 threads, Zen 4: docs/architecture.md, "The shard".
+// Figures: docs/tuning.md#cpu-paged-decode-attention.
 #pragma once
 
 #include "bf16_tile.h"
@@ -221,8 +220,8 @@ void heads(const c10::BFloat16* q, const C* k_cache, const C* v_cache, int64_t b
     const __mmask16 valid = __mmask16((1u << n) - 1);
     // Three passes over the query heads, each pass's heads independent of
     // one another, so that the core overlaps their dependency chains (one
-    // head's scores -> max -> exp -> P.V in one pass ran at ~0.85
-    // instructions a cycle, latency-bound).
+    // head's scores -> max -> exp -> P.V in one pass was latency-bound:
+    // docs/tuning.md#cpu-paged-decode-attention).
     // 1. Scores, scaled, lanes past the chunk's end -inf.
     alignas(64) float scores[kMaxHeads][kChunk];
     for (int64_t h = 0; h < QH; ++h) {

@@ -51,7 +51,7 @@ void tile(const float* x, const float* w, const float* bias, int64_t K, int64_t 
     for (int b = 0; b < NB; ++b) {
       wv[b] = lanes(w + b * block + k * kLanes);
       // 32 lines (2 KB) ahead, into L2: into L1 (prefetcht0) they filled the
-      // core's few L1 miss buffers and one row ran 15-25% slower (docs/architecture.md).
+      // core's few L1 miss buffers (figures: docs/tuning.md#weight-prefetch-distance).
       __builtin_prefetch(w + b * block + (k + 32) * kLanes, 0, 2);
     }
 #pragma GCC unroll 8

@@ -32,9 +32,8 @@ struct GeluTanh {
 // Act(g) * u on 16 lanes rounded to bf16, Act in vec::exp's arithmetic: the
 // one code both bf16 paths run (row below and the gated GEMM's tiles on
 // their sums), so they agree bit for bit. GCC made of the scalar loop a call
-// per row over 8-lane halves with integer rounding, and the gated GEMM ran
-// 9-10% behind the plain GEMM over the same weights; now 4-5% (SmolLM2's
-// gate_up, [3072, 576], at 64 and 256 rows, 2 threads, Zen 4).
+// per row over 8-lane halves with integer rounding, which held the gated GEMM
+// further behind the plain one (figures: docs/tuning.md#gated-gemm-activation).
 template <typename Act>
 inline __m256bh apply16(__m512 g, __m512 u) {
   const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);

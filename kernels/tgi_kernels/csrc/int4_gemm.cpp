@@ -1,12 +1,10 @@
 // 4-bit weight GEMMs for QuantLinear on CPU: y [M, N] = x [M, K] @ w.T, with
 // w[n, k] = q[n, k] * scale[n, g] + offset[n, g] kept as nibbles (g: the group
-// of column k). torch's `_weight_int4pack_mm_for_cpu` took ~48 us a call at one
-// row of SmolLM2's [960, 576] (bf16, 2 threads) and ~545 us at 32 rows, where
-// a dense bf16 GEMM of that shape takes ~70 us. In SmolLM2's decode step (bf16,
-// 2 threads, weights cold) these take 31 us a call at one row (torch's 55) and
-// 128 us at 32 rows (torch's 476, the dense model's oneDNN GEMMs ~190): they read
-// a quarter of the dense bytes. (at::parallel_for spreads work over threads only
-// where this file is compiled with -fopenmp; without it, one thread.)
+// of column k). They beat torch's `_weight_int4pack_mm_for_cpu` at one row and
+// more so at 32, where torch's is slower than the dense GEMM: they read a
+// quarter of the dense bytes (figures: docs/tuning.md#int4-gemm-kernels).
+// (at::parallel_for spreads work over threads only where this file is
+// compiled with -fopenmp; without it, one thread.)
 //
 // Layout (QuantLinear builds it at load):
 //   packed        [B, K / 2, 16] uint8, B = ceil(N / 16): byte (b, p, j) holds
@@ -68,9 +66,9 @@ Int4Shape check(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
 }
 
 // The kernels ask for the next block's bytes while they compute on this one:
-// the weights stream from memory (53 MB for SmolLM2, where a core reads ~15
-// GB/s), and the hardware prefetcher alone did not keep ahead of the FMAs
-// (cold weights took twice as long as hot). The prefetches sit in loops that
+// the weights stream from memory (53 MB for SmolLM2), and the hardware
+// prefetcher alone did not keep ahead of the FMAs (figures:
+// docs/tuning.md#int4-gemm-kernels). The prefetches sit in loops that
 // compute: GCC 12 deletes a loop of prefetches alone.
 
 // MR rows of x (float, [MR, K]) against one block of 16 output rows:
@@ -231,7 +229,8 @@ void bf16_mm_dequantized(const c10::BFloat16* x, const uint8_t* packed, const c1
 // w^T [K, ceil(N / 16) * 16] in T: block b fills columns [16 b, 16 b + 16).
 // Four column pairs (one 64-byte line of each block) at a time across all
 // blocks, so that each row of w^T is written front to back (block-major
-// wrote a far-apart 32-64 bytes per row and fetched each line twice: 4x slower).
+// wrote a far-apart 32-64 bytes per row and fetched each line twice, several
+// times slower: docs/tuning.md#int4-gemm-kernels).
 template <typename T>
 void dequantize_t(const uint8_t* packed, const T* so, const Int4Shape& s, T* wt) {
   constexpr int64_t kPairsALine = 64 / kLanes;

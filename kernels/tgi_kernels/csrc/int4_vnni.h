@@ -11,9 +11,9 @@
 //   interleaved byte by byte (vpunpck*bw, within 128-bit lanes), give each
 //   row's two columns side by side, and vpmaddubsw sums 32 products an
 //   instruction into int16: at most 2 * 15 * 127 per product pair and 8 of
-//   them per run of 32 columns, 30480 < 2^15, so nothing saturates. On a
-//   2-core Zen 1 the float GEMV spent ~30 uops a column pair at one row (10
-//   of them widening nibbles to float) and SmolLM2's decode step took 22 ms.
+//   them per run of 32 columns, 30480 < 2^15, so nothing saturates. The
+//   float GEMV spends many of its uops widening nibbles to float there
+//   (figures: docs/tuning.md#int4-int8-activation-gemv).
 //
 // x is quantized per row and 32 columns (dx = max |x| / 127, x ~ dx * xq):
 // llama.cpp's Q8 activations. Each output is then
@@ -93,8 +93,8 @@ inline RunStats quantize_run(const T* src, int8_t* dst) {
 // x [M, K] -> xq [M, K] int8 (each 8 columns in slot order), and per row
 // and run of 32 columns ([M, K / 32] each): dx, the sum of x (xs) and the
 // sum of xq (qs). Past 2,048 runs the threads share the rows; fewer stay on
-// the calling thread. (Done one value at a time, serially, this took ~20 us
-// of a 49 us call at 8 rows of SmolLM2's down projection, K = 1536.)
+// the calling thread. (Done one value at a time, serially, quantizing took a
+// large share of a GEMV call: docs/tuning.md#int4-int8-activation-gemv.)
 template <typename T>
 void quantize(const T* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* xs, int32_t* qs) {
   // Runs are contiguous in x: run i of the whole [M, K] is row i / (K / 32)'s.

@@ -1,8 +1,8 @@
 // 8-bit weight GEMV with one scale per group of columns, for GGUF's Q8_0
 // (w[n, k] = d[n, g] * q[n, k], q int8, groups of 32 columns): the LM head of
 // the default model (SmolLM2's tied token embedding is Q8_0). The dense bf16
-// head reads 56 MB a token and took ~3.7 ms a step at one row on a 2-core
-// Zen 4; this reads 30 MB.
+// head reads 56 MB a token; this reads 30 MB (figures:
+// docs/tuning.md#grouped-int8-head).
 //
 // Layout (quant/int8_lanes.py builds it at load):
 //   q       [B, K, 16] int8, B = ceil(N / 16): byte (b, k, j) is q[16 b + j, k];
@@ -18,9 +18,8 @@
 // columns as the int4 GEMV's (int4_vnni.h), and the products summed in
 // integers by vpdpbusd, 64 an instruction where the float kernel does 16.
 // At 8 rows of SmolLM2's head the float kernel is bound by its
-// multiply-adds (2.3 ms a call on 2 Zen 4 cores; 0.9 at one row, where it
-// reads memory): the speculative verify steps (1 + drafts rows) and
-// decode at a few streams pay that.
+// multiply-adds (at one row it reads memory): the speculative verify steps
+// (1 + drafts rows) and decode at a few streams pay that.
 #include "common.h"
 #include "int4_vnni.h"
 #include "lanes.h"

@@ -1,9 +1,8 @@
 // Multi-LoRA deltas (server/tgi_server/layers/lora.py): every adapter's
 // low-rank update on its own rows of the step, in one call per layer. Torch's
-// path, a GEMM pair per adapter's run of rows, spent ~35-70 us a call on
-// matrices of 8 x 576 x 16 in bf16 (library set-up, not arithmetic): ~40 ms
-// of a 32-row SmolLM2 decode step with 4 adapters on every linear, against
-// the step's own ~32 ms.
+// path, a GEMM pair per adapter's run of rows, spends its time at decode's
+// sizes on library set-up, not arithmetic: more than the step itself with
+// adapters on every linear (figures: docs/tuning.md#lora-kernel).
 #include "lanes.h"
 
 #include <algorithm>

@@ -1,7 +1,7 @@
 // RMSNorm, alone and fused with the residual add that precedes it in a
 // pre-norm decoder layer. One pass over each row in opmath, one rounding:
-// the eager path costs 11-70 us a call on CPU for a single row of 576 (its
-// composite op launches five kernels); this one ~1 us.
+// the eager path's composite op launches five kernels, which costs far more
+// than the arithmetic at decode's rows (figures: docs/tuning.md#rmsnorm-kernel).
 #include "common.h"
 
 namespace tgi {

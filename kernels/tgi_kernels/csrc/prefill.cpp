@@ -1,8 +1,8 @@
 // Varlen prefill attention: every prefill chunk of a step in one call, each
 // sequence reading its cached prefix from its own blocks in place and its
 // chunk's keys from the step's own key/value rows. The torch path loops over
-// sequences in Python and runs SDPA on each (one 128-token chunk of SmolLM2
-// in bf16, 9 query heads over 3 kv heads: ~540 us a layer on 2 Zen 4 cores).
+// sequences in Python and runs SDPA on each (figures:
+// docs/tuning.md#cpu-prefill-attention).
 //
 // Work is split into tiles of kRows query rows x one kv head of one
 // sequence. Within a tile the query rows are the vector lanes: Q is

@@ -5,12 +5,10 @@
 // process wanting the core) then holds up only the item it is on while the
 // others take the rest of its share; with static shares they finished
 // theirs and spun at the barrier until it ran again. Which thread computes
-// an item never changes its result, so outputs stay bitwise the same. SmolLM2 decode
-// steps at batch 64 (bf16, 2 threads, Zen 4; its GEMMs, gated GEMM and
-// paged decode on this) beside a process busy 10% / 20% of the time in 1 /
-// 2 ms bursts: 62.6 -> 59.7 and 67.4 -> 64.6 ms; alone the same 55 ms. (The
-// thread still holding an item when it is preempted keeps the region open
-// until it runs again: that part of the loss stays.)
+// an item never changes its result, so outputs stay bitwise the same
+// (figures: docs/tuning.md#work-stealing). (The thread still holding an item
+// when it is preempted keeps the region open until it runs again: that part
+// of the loss stays.)
 #pragma once
 
 #include <ATen/Parallel.h>

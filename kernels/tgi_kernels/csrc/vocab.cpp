@@ -3,8 +3,8 @@
 // row's whole choice, its argmax and log-normalizer, from the logits as the
 // model gave them. For the sums, torch's version (index_select, div, sub,
 // Sleef exp, sum over blocks: five passes over a [4, W] chunk at a time)
-// took ~2.7 ms for 32 rows of SmolLM2's 49,152 logits on 2 Zen 4 cores;
-// here it is one pass, exp by common.h's polynomial.
+// is slow at a vocabulary's width; here it is one pass, exp by common.h's
+// polynomial (figures: docs/tuning.md#sampler-vocabulary-passes).
 #include "common.h"
 
 #include <cmath>
@@ -34,9 +34,9 @@ constexpr int64_t kLanes = 16, kFind = 64, kSpan = 1024;
 // vectorized passes: the maximum in 16 lanes; the first block of 64 that
 // holds it; the sum, in 16 float lanes over spans of 1,024 logits, the spans
 // added in double in order (one row's order whatever the batch). Per-64
-// reductions as exp_block_sums makes cost twice the time; 64 rows of 49,152
-// bf16 logits, 2 threads, Zen 4: ~0.8 ms, against 2.0-2.4 for the Sampler's
-// float32 copy, block maxima and exp_block_sums that it replaces.
+// reductions as exp_block_sums makes cost more; this replaces the Sampler's
+// float32 copy, block maxima and exp_block_sums for a greedy row (figures:
+// docs/tuning.md#sampler-vocabulary-passes).
 template <typename T>
 void greedy_row(const T* x, int64_t V, float* buf, int64_t* token, float* lse) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();

@@ -2,10 +2,11 @@
 RMSNorm (alone, and after the residual add) and the gated activations.
 
 In eager torch each is two to five kernels (F.rms_norm, residual.add_,
-silu then mul); in a decode step of a 1.1B Llama on an H200 they are ~45% of
-the kernels and ~30% of the GPU time, almost all launch latency. One launch
-each here, with the same rounding as the torch ops they replace: sums and
-products in float32, rounded to the activations' dtype where torch rounds.
+silu then mul); in a decode step they are a large share of the kernels and of
+the GPU time, almost all launch latency (figures:
+docs/tuning.md#triton-norm-and-activation). One launch each here, with the
+same rounding as the torch ops they replace: sums and products in float32,
+rounded to the activations' dtype where torch rounds.
 
 Imports triton at module level: load it through tgi_kernels.triton.
 """

@@ -21,9 +21,8 @@ from .softmax_tile import attend_tile
 LOG2E = 1.4426950408889634
 DEFAULT_PARTITION = 512  # tokens per split; a sequence shorter than this runs in one program
 # Tokens per split where a step has too few (sequence, kv head) programs to fill
-# the GPU: a CUDA graph of 22 calls on an H200 (32 heads / 4 kv heads of 64,
-# bf16) took 6.4 / 6.8 us a call at one sequence of 200 / 1,000 tokens with
-# 128, against 8.0 / 12.4 with 512; at 32 and 128 sequences 512 stayed fastest.
+# the GPU: more, shorter splits then keep more multiprocessors busy; with many
+# sequences DEFAULT_PARTITION stays fastest (figures: docs/tuning.md#triton-decode-partitions).
 NARROW_PARTITION = 128
 NARROW_PROGRAMS = 32  # fewer (sequence, kv head) programs than this: NARROW_PARTITION
 BLOCK_N = 64  # keys per tile

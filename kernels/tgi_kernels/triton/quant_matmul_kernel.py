@@ -30,10 +30,9 @@ along N):
   that write float32 partials [S, M, N], summed afterwards in a fixed order.
 - dequantize (M > FUSED_MAX_M: prefill, large batches): `_dequant_kernel`
   writes the weight, transposed, [K, N] in x's dtype, then torch.mm (cuBLAS).
-  On an H200 (Triton 3.6) the fused kernel's tensor-core loop ran at about
-  2 us per K tile for 64- and 128-row tiles (59 us at M = 128, K 2048, N 5632;
-  bf16 F.linear: 7 us), so for many rows the weight's round trip through memory
-  costs less.
+  The fused kernel's tensor-core loop is far slower than cuBLAS at 64- and
+  128-row tiles, so for many rows the weight's round trip through memory costs
+  less (figures: docs/tuning.md#triton-quantized-gemm).
 
 Imports triton at module level: load it through tgi_kernels.triton.
 """
@@ -92,11 +91,11 @@ FUSED_MAX_M = 16
 # per program. The default path uses only this one.
 DECODE = TileConfig(16, 32, 128, 4, 4)
 # For the fused kernel forced on more rows (config=None, fused=True): correct, but
-# slower on an H200 than dequantize + torch.mm (module docstring).
+# slower than dequantize + torch.mm (docs/tuning.md#triton-quantized-gemm).
 MEDIUM = TileConfig(64, 64, 64, 4, 3)
 LARGE = TileConfig(128, 128, 64, 8, 3)
-# 4 splits halved the time at M 1, K 5632, N 2048 on an H200 (CUDA graphs); more splits
-# were not measured free of launch overhead.
+# Most splits of K: enough to fill the GPU at decode's small N (figures and why no more:
+# docs/tuning.md#triton-quantized-gemm).
 MAX_SPLIT_K = 4
 # The dequantize kernel's tile [DEQUANT_BLOCK_K, DEQUANT_BLOCK_N] of the [K, N] weight.
 DEQUANT_BLOCK_K, DEQUANT_BLOCK_N = 32, 128
@@ -261,9 +260,9 @@ def tile_config(m: int, group_size: int = 0) -> TileConfig:
 
 def default_split_k(m: int, n: int, k: int, config: TileConfig, device: torch.device) -> int:
     """Splits of K for the fused kernel on CUDA when its output tiles would not
-    occupy every multiprocessor (N 2048 at BLOCK_N 32: 64 tiles; measured on an
-    H200 at M = 1, K 5632: 27 us unsplit, 14 us in 4 splits), each split at
-    least one K tile. 1 otherwise, and off CUDA."""
+    occupy every multiprocessor (N 2048 at BLOCK_N 32: 64 tiles; figures:
+    docs/tuning.md#triton-quantized-gemm), each split at least one K tile. 1
+    otherwise, and off CUDA."""
     if device.type != "cuda":
         return 1
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
