@@ -10,12 +10,12 @@ by id; the server runs each call in a task of its own, so a Step sent ahead
 (async scheduling) waits in the servicer while a Health is answered.
 Statuses keep gRPC's codes and names.
 
-Why not gRPC, which this replaced: on a 2-core Zen 3, grpc.aio spent ~0.27
-ms of the client's CPU on a unary call answered at once and ~0.75 ms on one
-answered after 10 ms (its pollers run while it waits), and the shard's event
-loop ~1 ms a step in its server; both processes share the cores with the
-shard's OpenMP threads, so all of it came off the model's time. A frame
-here costs a read, a protobuf parse and a write."""
+Why not gRPC, which this replaced: grpc.aio spent the client's CPU on every
+call, more the longer an answer took (its pollers run while it waits), and
+the shard's event loop time in its server; both processes share the cores
+with the shard's OpenMP threads, so all of it came off the model's time
+(figures: docs/tuning.md#router-shard-transport). A frame here costs a
+read, a protobuf parse and a write."""
 
 import asyncio
 import contextlib

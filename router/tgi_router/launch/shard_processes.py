@@ -75,9 +75,8 @@ def rope_override(config: RouterConfig) -> tuple[str, float] | None:
 # maps: the weights, the KV cache, each step's activations. Linux's default
 # THP mode ("madvise") gives a process none otherwise, and a decode step
 # streams all the weights (~270 MB for SmolLM2 in bf16) through 4 KB pages,
-# a TLB miss each: its GEMMs at 64 rows took 42.4 ms against 39.8 with huge
-# pages (30 layers and the head, 2 threads, Zen 4). Ignored where THP is off
-# or the C library is not glibc >= 2.35.
+# a TLB miss each (figures: docs/tuning.md#huge-pages). Ignored where THP is
+# off or the C library is not glibc >= 2.35.
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 
 

@@ -22,14 +22,13 @@ drafts after; steps with prompt tokens do not enter the line.
 
 Both estimates change only from the steps that drafting shapes, so either
 could lock speculation off for good, and neither may:
-- The line. One step of a single sequence that took ~0.6 s (the host's
-  hiccup, 1 + 7 rows) tilted it to ~12 ms a token and a negative base,
-  clamped to 0: the threshold became 1, nothing drafted again, every step
-  computed one token, and a line needs steps of different sizes to change
-  its slope (seen in an A/B: the server at 2.1 tokens a step, then 1.0 for
-  good). A step now enters as at most OUTLIER x the line's time for it,
-  and a line whose base comes out negative is forgotten: the next steps
-  draft in full and measure it again.
+- The line. One slow step of a single sequence (the host's hiccup) can
+  tilt it to a steep slope and a negative base, clamped to 0: the threshold
+  becomes 1, nothing drafts again, every step computes one token, and a
+  line needs steps of different sizes to change its slope (seen in an A/B:
+  docs/tuning.md#speculation-policy). A step now enters as at most
+  OUTLIER x the line's time for it, and a line whose base comes out
+  negative is forgotten: the next steps draft in full and measure it again.
 - The rates. After a sequence that writes text of its own (its drafts
   rejected) the global rate, and every new sequence's with it, can fall
   below the threshold. A sequence the rule gives no draft is allowed one,

@@ -14,9 +14,10 @@ slows down). A step with decodes may then add the prompt tokens that keep
 it within stall_ratio x the decode-only step of the batch about to run:
 the running sequences and the waiting ones (so that a nearly empty batch
 still admits its queue at a useful pace). Where prompt tokens are cheap (a
-GPU: ~30 us a token against a 12 ms decode step) the bound is far above a
-CPU's and the step's budget decides, as in TGI; with nothing decoding, or
-before both costs have been seen, there is no bound.
+GPU, where one costs a small fraction of a decode step:
+docs/tuning.md#step-pacer) the bound is far above a CPU's and the step's
+budget decides, as in TGI; with nothing decoding, or before both costs have
+been seen, there is no bound.
 
 Pure Python, no model: the scheduler asks `prompt_cap` and feeds `observe`
 with each step's composition and the shards' time as it applies the answer."""
