@@ -258,11 +258,9 @@ class Engine:
         requests that came in with the one that woke the engine are still
         being validated, so that a burst starts in one step. Otherwise the
         first few requests of a burst get a step of their own and then decode
-        through the steps that prefill the rest: two waves of 64 prompts of
-        128 tokens (a closed loop at c=64) left 110-168 stalls of over 0.3 s
-        in their streams' 16,256 gaps, at times enough to be the inter-token
-        p99; 64 with it (docs/architecture.md). A lone request finds nothing
-        being validated and does not wait."""
+        through the steps that prefill the rest, and those stalls can set the
+        inter-token p99 (figures: docs/tuning.md#burst-gathering). A lone
+        request finds nothing being validated and does not wait."""
         deadline = time.perf_counter() + GATHER_S
         while self.validating and time.perf_counter() < deadline:
             await asyncio.sleep(0.001)
