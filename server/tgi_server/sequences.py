@@ -119,6 +119,18 @@ def params_from_proto(p: pb.SamplingParameters) -> SamplingParams:
         seed=p.seed, top_n_tokens=p.top_n_tokens, watermark=p.watermark)
 
 
+@dataclass(frozen=True, slots=True)
+class StagedSequence:
+    """What a validated step does to one scheduled sequence; the table applies
+    it only once every rank has agreed to run the step."""
+
+    seq: ShardSequence
+    tokens: list[int]  # to append: a running sequence's sampled tokens, a new one's token ids
+    blocks: list[int]  # block ids to append to its block table
+    scheduled: int     # tokens the step computes
+    draft_limit: int   # the most drafts the step may add (0: none)
+
+
 def _alone(ok: bool) -> bool:
     return ok
 
@@ -152,15 +164,16 @@ class SequenceTable:
               share: Callable[[list[int]], list[int]] | None = None) -> list[ShardSequence]:
         """Applies releases, new sequences and deltas (each running sequence
         first takes the tokens it sampled last, if any, in place of its
-        drafts); returns the scheduled
-        sequences (running, then new, in request order) with `scheduled` set.
+        drafts); returns the scheduled sequences (running, then new, in
+        request order) with `scheduled` set.
 
         With `share` (tensor parallelism), first calls `share(values)` exactly
         once with this rank's sampled tokens per running sequence
         (`_sampled`'s layout): it returns rank 0's, so that every rank of the
-        group appends the tokens rank 0 sampled; None: one rank, its own. Each sequence's draft_limit says how many drafts the
-        step may add (the caller proposes them, from the same tokens on every
-        rank). Then validates everything before changing anything but the
+        group appends the tokens rank 0 sampled; None: one rank, its own.
+        Each sequence's draft_limit says how many drafts the step may add
+        (the caller proposes them, from the same tokens on every rank).
+        Then validates everything before changing anything but the
         releases, and calls `agree(valid)` exactly once: it answers whether
         every rank found the step valid (rank 0 alone checks grammars), so
         that all ranks run the step or none does."""
@@ -177,14 +190,15 @@ class SequenceTable:
         if not agree(True):
             raise StepError("another shard rejected the step")
         scheduled_seqs = []
-        for seq, tokens, blocks, scheduled, limit in staged:
+        for change in staged:
+            seq = change.seq
             seq.sampled = None
-            seq.settle(tokens)
-            seq.block_table.extend(blocks)
-            seq.scheduled = scheduled
+            seq.settle(change.tokens)
+            seq.block_table.extend(change.blocks)
+            seq.scheduled = change.scheduled
             seq.draft_limit = 0
-            if limit and scheduled == 1 and seq.samples:
-                seq.allow_drafts(limit)
+            if change.draft_limit and change.scheduled == 1 and seq.samples:
+                seq.allow_drafts(change.draft_limit)
             self._seqs[seq.id] = seq
             scheduled_seqs.append(seq)
         return scheduled_seqs
@@ -216,11 +230,9 @@ class SequenceTable:
             i += width
         return out
 
-    def _stage(self, request: pb.StepRequest,
-               sampled: list[list[int]]) -> list[tuple[ShardSequence, list[int], list[int], int, int]]:
-        """Validates the request and applies its releases; returns per scheduled
-        sequence (seq, tokens to append, blocks to append, tokens scheduled,
-        drafts allowed)."""
+    def _stage(self, request: pb.StepRequest, sampled: list[list[int]]) -> list[StagedSequence]:
+        """Validates the request and applies its releases; returns what the
+        step does to each scheduled sequence (running, then new)."""
         seen: set[int] = set()
         for r in request.running:
             if r.id not in self._seqs or r.id in request.release_ids:
@@ -233,34 +245,37 @@ class SequenceTable:
         self.release(request.release_ids)
         staged = ([self._delta(r, t) for r, t in zip(request.running, sampled)]
                   + [self._new(n) for n in request.new_sequences])
-        for seq, tokens, blocks, scheduled, limit in staged:
+        for change in staged:
+            seq, tokens = change.seq, change.tokens
             # As the sequence will be once the last step's drafts are settled.
             computed = seq.num_computed - seq.rejected(len(tokens))
             self._check(seq.id, computed, len(seq.token_ids) - seq.drafted + len(tokens),
-                        len(seq.block_table) + len(blocks), scheduled, limit, blocks)
+                        len(seq.block_table) + len(change.blocks), change.scheduled, change.draft_limit,
+                        change.blocks)
             if tokens and max(tokens) >= self.vocab_size:
                 raise StepError(f"sequence {seq.id}: token id {max(tokens)} is outside the "
                                 f"vocabulary (size {self.vocab_size})")
         # Grammars compile only once the tokens they consume are known to be valid.
-        for (seq, tokens, _, _, _), n in zip(staged[len(request.running):], request.new_sequences):
+        for change, n in zip(staged[len(request.running):], request.new_sequences):
             if n.parameters.grammar and self.samples:
-                seq.grammar = self._grammar(seq.id, n.parameters, tokens[seq.prompt_length:])
+                seq = change.seq
+                seq.grammar = self._grammar(seq.id, n.parameters, change.tokens[seq.prompt_length:])
         return staged
 
-    def _delta(self, r: pb.RunningSequence, sampled: list[int]):
+    def _delta(self, r: pb.RunningSequence, sampled: list[int]) -> StagedSequence:
         seq = self._seqs[r.id]
         if seq.drafted and not sampled:
             raise StepError(f"sequence {r.id}: its drafts were never checked")
-        return seq, sampled, list(r.new_block_ids), r.num_scheduled_tokens, r.num_draft_tokens
+        return StagedSequence(seq, sampled, list(r.new_block_ids), r.num_scheduled_tokens, r.num_draft_tokens)
 
-    def _new(self, n: pb.NewSequence):
+    def _new(self, n: pb.NewSequence) -> StagedSequence:
         seq = ShardSequence(
             id=n.id, token_ids=[], prompt_length=n.prompt_length or len(n.token_ids),
             num_computed=n.num_computed_tokens, block_table=[],
             params=params_from_proto(n.parameters), prefill_logprobs=n.parameters.prefill_logprobs,
             adapter=n.adapter, max_new_tokens=n.parameters.max_new_tokens,
             constrained=bool(n.parameters.grammar), draft_computed=n.num_computed_tokens)
-        return seq, list(n.token_ids), list(n.block_table), n.num_scheduled_tokens, 0
+        return StagedSequence(seq, list(n.token_ids), list(n.block_table), n.num_scheduled_tokens, draft_limit=0)
 
     def _grammar(self, seq_id: int, p: pb.SamplingParameters, generated: list[int]) -> SequenceGrammar:
         """The grammar's state after `generated` (a re-sent preempted sequence's tokens)."""
