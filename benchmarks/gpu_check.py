@@ -140,7 +140,7 @@ def stage_env(result: dict) -> str | None:
 def _workers(python: str) -> list[str]:
     """pytest-xdist's `-n` where that Python has it (the GPU machine's image does):
     the GPU tests' time is mostly Triton compiling kernel variants on the CPU
-    (310 s of one run; another was cut at 270 s), which workers share out."""
+    (figures: docs/tuning.md#gpu-check-workers), which workers share out."""
     if _run([python, "-c", "import xdist"], 30)[0] != 0:
         return []
     return ["-n", str(max(1, min(8, (os.cpu_count() or 2) // 2)))]

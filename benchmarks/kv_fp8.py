@@ -21,9 +21,8 @@ with its KV blocks in that dtype, in fp8_e4m3fn and in fp8_e5m2.
 
 Why one token a step: a chunk's own keys and values are the step's fresh
 ones, never rounded, and a token's nearest ones carry much of its
-attention. In chunks of 16 tokens the default model in float32 lost 0.48%
-of perplexity to e5m2 and 1.32% to e4m3fn; a token at a time, 3.53% and
-1.15% (2026-12-06, the 2-core Zen 4).
+attention, so fed in chunks the model would hide much of float8's loss
+(figures: docs/tuning.md#float8-kv-perplexity).
 """
 
 import functools

@@ -260,8 +260,8 @@ def run_llamacpp(gguf: Path, prompts: dict, notes: dict) -> dict:
                 break
             except StartError as err:
                 # ggml's AMX kernels (its only repacked path for Q4_1 on x86)
-                # died on SIGILL on an AMX machine (2026-12-01): then its
-                # AVX-512/AVX2 kernels, as on a CPU without AMX.
+                # can die on SIGILL on an AMX machine (docs/tuning.md#llamacpp-peer-on-amx):
+                # then its AVX-512/AVX2 kernels, as on a CPU without AMX.
                 if err.returncode != -signal.SIGILL or flags:
                     raise
                 flags = ["--no-repack"]

@@ -13,10 +13,10 @@ each comparison in the same run.
     included) and unchunked (one step computes it all while the streams
     wait); the longest gap (the stall), and the price chunking asks of the
     long prompt: its own time to first token. Each stream has 63 gaps, so one
-    stall per stream (1.6% of the gaps) shows in p99. Here a step of 16
-    decodes takes 40-70 ms and each chunk token adds ~1 ms, so CHUNK_BUDGET
-    sets how far a chunked step stretches the streams' gaps: at 64 about 2x,
-    at 256 about 4x (and the long prompt waits fewer steps)."""
+    stall per stream (1.6% of the gaps) shows in p99. CHUNK_BUDGET sets how
+    far a chunked step stretches the streams' gaps, a larger budget more (and
+    the long prompt waits fewer steps; figures:
+    docs/tuning.md#prefix-benchmark-chunk-budget)."""
 
 import asyncio
 import statistics

@@ -6,9 +6,8 @@ detector's command line says which is which in its exit code.
 
 An unmarked answer's z is a draw from about N(0, 1), and which one the
 server writes depends on which requests shared its steps (the int4 GEMMs'
-rows): each of four under 2 held in ~83% of runs (one CI run drew 2+, and
-two local runs of the same requests drew 1.91, -0.47, -1.47, 0.16 and
-1.91, -0.47, -0.96, -0.86). Their mean's spread is half a z."""
+rows): each of four under 2 holds in only ~83% of runs (draws seen:
+docs/tuning.md#watermark-test-bounds). Their mean's spread is half a z."""
 
 import json
 import subprocess

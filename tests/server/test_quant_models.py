@@ -138,8 +138,8 @@ def test_without_dtype_a_cpu_lacking_bf16_feeds_its_quantized_kernels_bf16(quant
         assert {kernel_input_dtype(m) for m in layers} == {torch.float32 if ours else kernel_dtype}
         if ours and kernel_dtype == torch.bfloat16 and layers[0].gemv == native_ops().int4_gemv_int8x:
             # x rounded to int8 per 32 columns (llama.cpp's Q8 activations) in every GEMV of
-            # up to gemv_max_rows rows: 0.7-4.9% mean logit error on these random 2-layer
-            # models (Zen 1, AVX2), where bf16 activations give under 2%.
+            # up to gemv_max_rows rows: more error than bf16 activations give on these random
+            # 2-layer models (figures: docs/tuning.md#quantized-logit-tolerances-in-tests).
             tolerance = 6e-2
         elif ours:
             tolerance = 1e-5
@@ -198,10 +198,10 @@ def test_gguf_q4_linears_run_on_their_blocks_and_match_the_dequantized_file(qtyp
     assert runner.model.lm_head.gemv is None  # a Q4 head stays dense
     prompt = [1, 5, 9, 13, 40, 3, 77]
     # Against the exact product (the reference in float64): Q4_1's offsets make the kernel's
-    # scale * sum(x q) + offset * sum(x) cancel, so float32 orders of summation differ by up
-    # to 7.7e-4 here on a Zen 1 and 1.6e-3 on a Zen 3 (both AVX2; logits up to ~22 in size),
-    # where transformers' own float32 run lies 3e-4 from float64. A wrong nibble, scale or
-    # offset moves them by 1e-1 and more.
+    # scale * sum(x q) + offset * sum(x) cancel, so float32 orders of summation differ by
+    # more than transformers' own float32 run does from float64, though well under the
+    # tolerance (figures: docs/tuning.md#quantized-logit-tolerances-in-tests). A wrong
+    # nibble, scale or offset moves them by 1e-1 and more.
     exact = hf_logits(gguf_reference(path).double(), prompt).float()
     assert (engine_logits(runner, prompt) - exact).abs().max() < 4e-3
 
