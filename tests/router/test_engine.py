@@ -7,9 +7,11 @@ from unittest.mock import Mock
 import pytest
 
 from tgi_proto import pb
+from tgi_proto.rpc import StatusCode
 from tgi_router.errors import ValidationError
 from tgi_router.scheduling import engine as engine_module
 from tgi_router.scheduling.block_manager import BlockManager
+from tgi_router.scheduling.client import ShardError
 from tgi_router.scheduling.engine import Engine
 from tgi_router.scheduling.scheduler import Scheduler
 from tgi_router.scheduling.sequence import FinishReason, Sequence, StoppingCriteria
@@ -41,6 +43,27 @@ class FakeClient:
 def seq(i, n=3, new=1):
     return Sequence(id=i, token_ids=list(range(10, 10 + n)), params=pb.SamplingParameters(),
                     stopping=StoppingCriteria(new))
+
+
+class FailingClient(FakeClient):
+    """Fails its `fail_at`-th step (1-based) as a shard whose forward raised."""
+
+    def __init__(self, fail_at: int):
+        super().__init__()
+        self.fail_at = fail_at
+        self.steps = 0
+
+    async def step(self, request: pb.StepRequest) -> pb.StepResponse:
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise ShardError(0, StatusCode.INTERNAL, "forward failed")
+        return await super().step(request)
+
+
+def samples(metrics: Metrics) -> dict[str, float]:
+    """Series (name with its labels) -> value, from the exposition."""
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in metrics.render().decode().splitlines()
+            if not line.startswith("#")}
 
 
 def test_a_request_arriving_during_a_release_is_not_failed():
@@ -84,9 +107,7 @@ def test_engine_reports_prefix_cache_blocks_and_chunks():
         scheduler.add(seq(2, n=10))  # the same prompt: 8 tokens hit
         while not engine.idle:
             await engine.step()
-        text = metrics.render().decode()
-        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-                if not line.startswith("#")}
+        return samples(metrics)
     m = asyncio.run(go())
     assert m["tgi_prefix_cache_queried_tokens"] == 20 and m["tgi_prefix_cache_hit_tokens"] == 8
     assert m["tgi_request_prefill_chunks_count"] == 2 and m["tgi_request_prefill_chunks_sum"] == 3 + 1
@@ -146,6 +167,52 @@ def test_an_idle_engine_waits_for_a_slow_validation_at_most_gather_s(monkeypatch
         await asyncio.wait_for(waiting, 30)  # only stops a hang
         assert engine.validating == 1
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("fail_at, method", [(1, "prefill"), (2, "decode")])
+def test_a_failed_forward_counts_as_a_batch_inference_failure_of_its_method(fail_at, method):
+    """tgi_batch_inference_failure{method}: the step that computes the
+    prompt is a prefill, the next one (the prompt computed) a decode."""
+    async def go():
+        metrics = Metrics(100, 200)
+        engine = Engine(FailingClient(fail_at), Scheduler(BlockManager(8, 4), max_batch_tokens=64), metrics=metrics)
+        engine.scheduler.add(seq(1, new=5))
+        await asyncio.wait_for(engine.run_forever(), 30)  # returns once a step fails; the timeout stops a hang
+        return engine, samples(metrics)
+    engine, m = asyncio.run(go())
+    other = "decode" if method == "prefill" else "prefill"
+    assert m[f'tgi_batch_inference_failure{{method="{method}"}}'] == 1
+    assert m[f'tgi_batch_inference_failure{{method="{other}"}}'] == 0
+    assert m[f'tgi_batch_inference_count{{method="{method}"}}'] == 1
+    assert m[f'tgi_batch_inference_success{{method="{method}"}}'] == 0
+    assert not engine.healthy
+
+
+def test_the_filter_duration_is_the_time_spent_applying_a_steps_answer(monkeypatch):
+    """tgi_batch_filter_duration: Scheduler.update, which appends a step's
+    tokens and drops the sequences that finished; a part of the step's
+    inference duration. Only update moves the clock here."""
+    now = frozen_clock(monkeypatch)
+    scheduler = Scheduler(BlockManager(8, 4), max_batch_tokens=64)
+    update = scheduler.update
+
+    def update_taking_half_a_second(step, response):
+        now[0] += 0.5
+        return update(step, response)
+    scheduler.update = update_taking_half_a_second
+    metrics = Metrics(100, 200)
+    engine = Engine(FakeClient(), scheduler, metrics=metrics)
+
+    async def go():
+        scheduler.add(seq(1, new=2))  # one prefill step, one decode step
+        while not engine.idle:
+            await engine.step()
+    asyncio.run(go())
+    m = samples(metrics)
+    for method in ("prefill", "decode"):
+        assert m[f'tgi_batch_filter_duration_count{{method="{method}"}}'] == 1
+        assert m[f'tgi_batch_filter_duration_sum{{method="{method}"}}'] == 0.5
+        assert m[f'tgi_batch_inference_duration_sum{{method="{method}"}}'] >= 0.5
 
 
 def test_the_routes_count_requests_being_validated_whatever_the_outcome():

@@ -13,6 +13,7 @@ from tgi_router.scheduling.client import ShardClient, ShardError
 from tgi_router.scheduling.request_stream import RequestStream, Timings
 from tgi_router.scheduling.scheduler import ScheduledStep, Scheduler
 from tgi_router.scheduling.sequence import FinishReason, Sequence, StoppingCriteria
+from tgi_router.telemetry.metrics import Method
 from tgi_router.text.tokenizer import RouterTokenizer
 
 log = logging.getLogger("tgi_router")
@@ -132,23 +133,29 @@ class Engine:
                  else self.scheduler.schedule_ahead(step))
         if ahead is not None:
             self._inflight = self._send(ahead, after=sent.request.step_id)
+        # Every earlier answer is applied: whether this step computes prompt tokens shows now.
+        method: Method = "prefill" if any(seq.num_computed < seq.prompt_length for seq, _ in step.seqs) else "decode"
         try:
             try:
                 self._deliver_pending()
             finally:
                 response = await sent.call
-        except BaseException:
+        except BaseException as err:
             if self._inflight is not None:  # it cannot run without this step's answer applied
                 self._inflight.call.cancel()
                 self._inflight = None
+            if self.metrics is not None and isinstance(err, (ShardError, OSError)):
+                self.metrics.batch_failed(method)
             raise
+        applying = time.perf_counter()
         finished = self.scheduler.update(step, response)
+        filter_s = time.perf_counter() - applying
         self._pending = (step, response)
         if self._inflight is not None:
             self._deliver_pending()  # the next step is running: do the text work now
         now = time.perf_counter()
         if self.metrics is not None:
-            self._observe(step, response, now - max(sent.at, self._answered))
+            self._observe(step, response, method, filter_s, now - max(sent.at, self._answered))
         if self.tracing:
             self._trace(step, sent, now)
         self._shard_bound = response.timings.total_ns / 1e9 >= 0.5 * (now - self._answered)
@@ -206,12 +213,12 @@ class Engine:
             stream.fail("Request needs more KV cache than the server has")
             self.cancel(stream)
 
-    def _observe(self, step, response: pb.StepResponse, seconds: float) -> None:
-        prefill = any(seq.num_computed - n < seq.prompt_length for seq, n in step.seqs)
+    def _observe(self, step: ScheduledStep, response: pb.StepResponse, method: Method, filter_s: float,
+                 seconds: float) -> None:
         t = response.timings
-        self.metrics.batch_step("prefill" if prefill else "decode", forward_s=t.forward_ns / 1e9,
-                                decode_s=t.sample_ns / 1e9, filter_s=0.0, inference_s=seconds,
-                                size=len(step.seqs), max_tokens=sum(len(s.token_ids) for s, _ in step.seqs))
+        self.metrics.batch_step(method, forward_s=t.forward_ns / 1e9, decode_s=t.sample_ns / 1e9,
+                                filter_s=filter_s, inference_s=seconds, size=len(step.seqs),
+                                max_tokens=sum(len(s.token_ids) for s, _ in step.seqs))
         self._observe_state()
         stats = self.scheduler.take_stats()
         self.metrics.prefix_cache(stats.queried_tokens, stats.hit_tokens)

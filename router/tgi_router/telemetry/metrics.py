@@ -274,9 +274,11 @@ class Metrics:
                    inference_s: float, size: int, max_tokens: int) -> None:
         """One successful forward of `size` sequences.
 
-        forward and decode: the shard's timings; filter: applying the results
-        and sending tokens to requests; inference: the whole call, all three.
-        max_tokens: the tokens the batch may reach (prompts + max new tokens).
+        forward and decode: the shard's timings; filter: applying the answer
+        to the batch (tokens appended, finished sequences dropped); inference:
+        from sending the step (or the previous answer, if later) to its answer
+        applied. max_tokens: the tokens the batch may reach (prompts + max new
+        tokens).
         """
         _check(method, METHODS, "method")
         self._inference_count.labels(method).inc()
