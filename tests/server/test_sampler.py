@@ -2,6 +2,7 @@
 seeded batch-invariant draws, top-n tokens, prompt logprobs and the processor hook."""
 
 import math
+import random
 from dataclasses import replace
 
 import pytest
@@ -244,11 +245,51 @@ def test_same_seed_and_position_repeat_the_draw():
     assert len(draws) == 1
 
 
-def test_draw_uniform_is_a_fixed_function_of_seed_and_position():
-    # Golden values: any process, any device, any version of torch gives these.
-    assert draw_uniform(0, 0) == 0.6524484863740322
-    assert draw_uniform(2**64 - 1, 12345) == 0.6785045720544755
-    assert draw_uniform(1, 0) != draw_uniform(0, 1)
+class SplitMix64:
+    """The reference generator, as published (Steele, Lea and Flood, 2014;
+    Vigna's splitmix64.c): the state advances by the golden gamma, and each
+    output is the new state mixed."""
+    GAMMA, MASK = 0x9E3779B97F4A7C15, 2**64 - 1
+
+    def __init__(self, seed: int):
+        self.state = seed & self.MASK
+
+    def next(self) -> int:
+        self.state = (self.state + self.GAMMA) & self.MASK
+        z = self.state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & self.MASK
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & self.MASK
+        return z ^ (z >> 31)
+
+
+def test_the_reference_splitmix64_gives_the_published_outputs():
+    seeded = SplitMix64(1234567)  # the test vector of Rosetta Code's "Pseudo-random numbers/Splitmix64"
+    assert [seeded.next() for _ in range(5)] == [6457827717110365317, 3203168211198807973, 9817491932198370423,
+                                                 4593380528125082431, 16408922859458223821]
+    assert SplitMix64(0).next() == 0xE220A8397B1DCDAF
+
+
+def test_draw_uniform_is_splitmix64_of_seed_then_position():
+    """The rule draw_uniform documents, computed with the reference generator
+    (integer arithmetic: any process, any device, any version of torch)."""
+    def expected(seed: int, position: int) -> float:
+        return (SplitMix64(SplitMix64(seed).next() ^ position).next() >> 11) / 2**53
+
+    rng = random.Random(0)
+    cases = [(0, 0), (2**64 - 1, 12345), (1, 2**40)] + [(rng.getrandbits(64), rng.randrange(2**20)) for _ in range(200)]
+    for seed, position in cases:
+        assert draw_uniform(seed, position) == expected(seed, position), (seed, position)
+    assert draw_uniform(1, 0) != draw_uniform(0, 1)  # seed and position are not interchangeable
+
+
+def test_draw_uniform_is_uniform_on_zero_to_one():
+    draws = [draw_uniform(seed, position) for seed in range(40) for position in range(100)]
+    assert all(0.0 <= u < 1.0 for u in draws)
+    counts = [0] * 10
+    for u in draws:
+        counts[int(u * 10)] += 1
+    chi2 = sum((c - 400) ** 2 / 400 for c in counts)
+    assert chi2 < 37.0  # df = 9: p < 1e-4 for uniform draws
 
 
 def test_different_seeds_and_positions_draw_differently():

@@ -146,7 +146,10 @@ class Sampler:
 
 
 def draw_uniform(seed: int, position: int) -> float:
-    """The uniform number in [0, 1) that fixes the draw of (seed, position)."""
+    """The uniform number in [0, 1) that fixes the draw of (seed, position):
+    with splitmix64(x) the first output of a SplitMix64 generator seeded with
+    x, the top 53 bits of splitmix64(splitmix64(seed) XOR position), over 2**53
+    (both taken modulo 2**64)."""
     z = _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
     return (z >> 11) * 2.0 ** -53
 
