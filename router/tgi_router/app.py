@@ -8,7 +8,14 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from tgi_router.errors import BodyDeserializeError, BodySyntaxError, RouteError, TGIError, error_response
+from tgi_router.errors import (
+    BodyDeserializeError,
+    BodySyntaxError,
+    MissingJsonContentTypeError,
+    RouteError,
+    TGIError,
+    error_response,
+)
 from tgi_router.openai_compat.routes import add_openai_routes
 from tgi_router.scheduling.engine import Engine
 from tgi_router.tgi_api.routes import add_tgi_routes
@@ -41,6 +48,11 @@ def create_app(engine: Engine, settings: ApiSettings, metrics, state: ServerStat
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(request: Request, err: RequestValidationError):
+        # TGI's JSON extractor checks the content type before the body; FastAPI
+        # reads a body of any other type as bytes, which then fail validation.
+        if not is_json(request.headers.get("content-type", "")):
+            status, body = error_response(MissingJsonContentTypeError())
+            return JSONResponse(body, status_code=status)
         first = err.errors()[0] if err.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ())[1:])
         detail = f"{where}: {first.get('msg', 'invalid body')}" if where else first.get("msg", "invalid body")
@@ -57,3 +69,10 @@ def create_app(engine: Engine, settings: ApiSettings, metrics, state: ServerStat
     add_tgi_routes(app, gate, engine, settings, metrics, state)
     add_openai_routes(app, gate)
     return app
+
+
+def is_json(content_type: str) -> bool:
+    """Whether a Content-Type header names JSON as TGI (axum) accepts it:
+    application/json or application/<anything>+json, parameters aside."""
+    kind, _, subtype = content_type.partition(";")[0].strip().lower().partition("/")
+    return kind == "application" and (subtype == "json" or subtype.endswith("+json"))

@@ -62,32 +62,11 @@ class GenerationError(TGIError):
     template = "Request failed during generation: {}"
 
 
-class IncompleteGenerationError(TGIError):
-    """The generation ended without its final token (non-streaming)."""
-    status = 500
-    error_type = "incomplete_generation"
-    template = "Incomplete generation"
-
-
-class IncompleteGenerationStreamError(TGIError):
-    """The stream ended without its final token; sent as the last SSE event."""
-    status = 500
-    error_type = "incomplete_generation_stream"
-    template = "Incomplete generation stream"
-
-
 class TemplateError(TGIError):
     """The chat template failed to render."""
     status = 422
     error_type = "template_error"
     template = "Template error: {}"
-
-
-class MissingTemplateVariableError(TGIError):
-    # "vatiable" is TGI's spelling; clients may match on it.
-    status = 422
-    error_type = "missing_template_variable"
-    template = "Missing template vatiable: {}"
 
 
 class ToolError(TGIError):
@@ -139,6 +118,8 @@ class BodySyntaxError(TGIError):
 
 
 class MissingJsonContentTypeError(TGIError):
+    """A body sent without a JSON Content-Type (application/json or
+    application/*+json)."""
     status = 415
     error_type = "content_type"
     template = "Expected request with `Content-Type: application/json`"

@@ -141,6 +141,16 @@ def test_bad_bodies_are_4xx_not_500(server):
     assert 400 <= r.status_code < 500
 
 
+@pytest.mark.parametrize("headers", [{}, {"content-type": "text/plain"},
+                                     {"content-type": "application/x-www-form-urlencoded"}])
+def test_a_body_not_sent_as_json_is_415_as_tgi_answers(server, headers):
+    for route in ("/generate", "/v1/chat/completions"):
+        r = httpx.post(server.url + route, content=b'{"inputs": "x"}', headers=headers, timeout=60)
+        assert r.status_code == 415
+        assert r.json() == {"error": "Expected request with `Content-Type: application/json`",
+                            "error_type": "content_type"}
+
+
 def test_payload_limit_is_413(server):
     r = post(server, "/generate", {"inputs": "a" * 2_100_000})
     assert r.status_code == 413 and r.json()["error_type"] == "payload_too_large"

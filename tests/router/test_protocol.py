@@ -10,6 +10,7 @@ import pydantic
 import pytest
 
 from tgi_router import errors
+from tgi_router.app import is_json
 from tgi_router.request.protocol import (
     U32_MAX,
     U64_MAX,
@@ -269,16 +270,8 @@ def test_chat_tokenize_response_round_trips():
     (errors.GenerationError("CUDA out of memory"), 424,
      {"error": "Request failed during generation: CUDA out of memory",
       "error_type": "generation"}),
-    (errors.IncompleteGenerationError(), 500,
-     {"error": "Incomplete generation", "error_type": "incomplete_generation"}),
-    (errors.IncompleteGenerationStreamError(), 500,
-     {"error": "Incomplete generation stream",
-      "error_type": "incomplete_generation_stream"}),
     (errors.TemplateError("template not found"), 422,
      {"error": "Template error: template not found", "error_type": "template_error"}),
-    (errors.MissingTemplateVariableError("name"), 422,
-     {"error": "Missing template vatiable: name",
-      "error_type": "missing_template_variable"}),
     (errors.ToolError("bad"), 422, {"error": "Tool error: bad", "error_type": "tool_error"}),
     (errors.UnhealthyError(), 503, {"error": "unhealthy", "error_type": "healthcheck"}),
 ])
@@ -304,6 +297,14 @@ def test_errors_tgi_answers_without_json_keep_tgi_status_and_text():
     assert body["error"] == "Expected request with `Content-Type: application/json`"
 
 
+@pytest.mark.parametrize("content_type, json_", [
+    ("application/json", True), ("Application/JSON; charset=utf-8", True), ("application/vnd.api+json", True),
+    ("", False), ("text/plain", False), ("text/json", False), ("application/x-www-form-urlencoded", False),
+    ("application/jsonl", False)])
+def test_a_json_content_type_is_what_tgi_accepts(content_type, json_):
+    assert is_json(content_type) is json_
+
+
 def test_importing_the_schemas_does_not_import_torch():
     code = ("import sys; import tgi_router.request.protocol, tgi_router.request.validation, "
             "tgi_router.errors; print('torch' in sys.modules)")
@@ -325,4 +326,5 @@ def test_fast_stream_token_event_is_what_the_model_writes(text, logprob, special
     fast = stream_token_event(event, 3)
     assert fast.startswith(b"data:") and fast.endswith(b"\n\n")
     assert json.loads(fast[5:]) == json.loads(stream_response(None, event, 3).model_dump_json())
-    assert stream_token_event(StreamEvent(TokenOut(7, text, logprob, special), [TokenOut(1, "a", -1.0, False)]), 3) is None
+    tops = [TokenOut(1, "a", -1.0, False)]
+    assert stream_token_event(StreamEvent(TokenOut(7, text, logprob, special), tops), 3) is None
