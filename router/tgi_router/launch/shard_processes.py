@@ -144,10 +144,6 @@ class ShardGroup:
     def __init__(self) -> None:
         self._shards: list[_Shard] = []
 
-    @property
-    def pids(self) -> list[int]:
-        return [s.process.pid for s in self._shards]
-
     async def start(self, rank: int, command: list[str], env: Mapping[str, str]) -> None:
         """Spawns one shard in its own session; raises OSError if it cannot."""
         log.info("Starting shard", extra={"rank": rank})
