@@ -13,7 +13,6 @@ from tgi_router.scheduling.client import ShardClient, ShardError
 from tgi_router.scheduling.request_stream import RequestStream, Timings
 from tgi_router.scheduling.scheduler import ScheduledStep, Scheduler
 from tgi_router.scheduling.sequence import FinishReason, Sequence, StoppingCriteria
-from tgi_router.telemetry.metrics import Method
 from tgi_router.text.tokenizer import RouterTokenizer
 
 log = logging.getLogger("tgi_router")
@@ -134,7 +133,7 @@ class Engine:
         if ahead is not None:
             self._inflight = self._send(ahead, after=sent.request.step_id)
         # Every earlier answer is applied: whether this step computes prompt tokens shows now.
-        method: Method = "prefill" if any(seq.num_computed < seq.prompt_length for seq, _ in step.seqs) else "decode"
+        method = "prefill" if any(seq.num_computed < seq.prompt_length for seq, _ in step.seqs) else "decode"
         try:
             try:
                 self._deliver_pending()
@@ -213,7 +212,7 @@ class Engine:
             stream.fail("Request needs more KV cache than the server has")
             self.cancel(stream)
 
-    def _observe(self, step: ScheduledStep, response: pb.StepResponse, method: Method, filter_s: float,
+    def _observe(self, step: ScheduledStep, response: pb.StepResponse, method: str, filter_s: float,
                  seconds: float) -> None:
         t = response.timings
         self.metrics.batch_step(method, forward_s=t.forward_ns / 1e9, decode_s=t.sample_ns / 1e9,
