@@ -27,8 +27,8 @@ class StepBatch:
     decode: DecodeMeta | None
     prefill: PrefillMeta | None
     logits_rows: torch.Tensor    # [S] int64 rows of the flat batch whose logits are needed
-    samplers: list[ShardSequence]  # sequences that sample this step, in batch order
-    sample_rows: list[int]       # per sampler, its (first) row in the logits [S]: 1 + its drafts rows
+    sampling_seqs: list[ShardSequence]  # sequences that sample this step, in batch order
+    sample_rows: list[int]       # per sampling sequence, its (first) row in the logits [S]: 1 + its drafts rows
     prompt_rows: list[tuple[ShardSequence, int, int]]  # (seq, first logits row, count) for prefill logprobs
     lora_segments: list[tuple[int, int, int]]  # (LoRA adapter > 0, first row, end row): runs of rows
 
@@ -75,9 +75,9 @@ def build_batch(seqs: list[ShardSequence], block_size: int, device: torch.device
             # logits at every computed position: row i predicts token start + i + 1
             prompt_rows.append((seq, len(logits_rows), n))
             logits_rows.extend(range(first, first + n))
-            if seq.samples:
+            if seq.samples_this_step:
                 sample_rows.append(len(logits_rows) - 1)
-        elif seq.samples:  # the last known token's row, then each draft's
+        elif seq.samples_this_step:  # the last known token's row, then each draft's
             sample_rows.append(len(logits_rows))
             logits_rows.extend(range(first + n - 1 - seq.drafted, first + n))
 
@@ -96,7 +96,7 @@ def build_batch(seqs: list[ShardSequence], block_size: int, device: torch.device
         prefill=build_prefill_meta([s.scheduled for s in prefills], [s.num_computed for s in prefills],
                                    [_blocks(s, block_size) for s in prefills], device) if prefills else None,
         logits_rows=tensor(logits_rows),
-        samplers=[s for s in ordered if s.samples],
+        sampling_seqs=[s for s in ordered if s.samples_this_step],
         sample_rows=sample_rows,
         prompt_rows=prompt_rows,
         lora_segments=lora_segments,

@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--group-size", type=int, default=128, help="input columns per scale (-1: per row)")
     quantize.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by activation order")
     quantize.add_argument("--sym", action="store_true", help="GPTQ: symmetric groups (default: asymmetric)")
-    quantize.add_argument("--samples", type=int, default=64, help="calibration sequences")
+    quantize.add_argument("--samples", dest="calibration_sequences", type=int, default=64,
+                          help="calibration sequences")
     quantize.add_argument("--seq-len", type=int, default=128, help="tokens per calibration sequence")
     quantize.add_argument("--calibration", default="stdlib",
                           help="stdlib (Python's docstrings, default), generated (sampled by the model) "
@@ -184,8 +185,10 @@ def _quantize(args: argparse.Namespace) -> None:
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
     try:
-        quantize_model(args.model_id, args.output_dir, args.method, args.bits, args.group_size, args.act_order,
-                       args.sym, args.samples, args.seq_len, args.seed, args.calibration)
+        quantize_model(args.model_id, args.output_dir, args.method, bits=args.bits, group_size=args.group_size,
+                       act_order=args.act_order, symmetric=args.sym,
+                       calibration_sequences=args.calibration_sequences, length=args.seq_len, seed=args.seed,
+                       calibration=args.calibration)
     except (CheckpointError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)

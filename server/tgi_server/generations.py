@@ -24,7 +24,7 @@ def generations(batch: StepBatch, logits: torch.Tensor, sampler: Sampler | None,
     out = {s.id: pb.Generation(id=s.id, num_computed_tokens=s.num_computed + s.scheduled) for s in batch.seqs}
     if sampler is None:
         return out
-    if batch.samplers:
+    if batch.sampling_seqs:
         _sample(batch, logits, sampler, grammars, out)
     for seq, first, count in batch.prompt_rows:
         out[seq.id].prefill_tokens.extend(_prompt_tokens(seq, logits[first:first + count]))
@@ -33,8 +33,8 @@ def generations(batch: StepBatch, logits: torch.Tensor, sampler: Sampler | None,
 
 def _sample(batch: StepBatch, logits: torch.Tensor, sampler: Sampler, grammars: GrammarCompiler | None,
             out: dict[int, pb.Generation]) -> None:
-    sampling = batch.samplers
-    # Rows to sample: one per sampler, 1 + d for one with d drafts (row i after the first i drafts).
+    sampling = batch.sampling_seqs
+    # Rows to sample: one per sampling sequence, 1 + d for one with d drafts (row i after the first i drafts).
     owners, depths, contexts = row_contexts(sampling)
     rows = batch.sample_rows
     if len(owners) > len(sampling):

@@ -56,7 +56,7 @@ class ModelRunner:
         self.device = loaded.device
         self.tp = loaded.tp
         self.adapters = loaded.adapters
-        self.samples = self.tp.rank == 0
+        self.is_sampling_rank = self.tp.rank == 0
         self.block_size = block_size
         self.backend = select_backend(self.device, attention_backend, fp8_kv=kv_cache_dtype in FP8_KV_DTYPES)
         if self.config.attn_softcap and self.backend not in SOFTCAP_BACKENDS:
@@ -87,7 +87,7 @@ class ModelRunner:
         self.draft = DraftModel(loaded, self.block_size, self.backend, self.config.vocab_size, kv_cache_dtype)
 
     def _table(self, num_blocks: int) -> SequenceTable:
-        return SequenceTable(self.block_size, num_blocks, self.config.vocab_size, self.grammars, self.samples)
+        return SequenceTable(self.block_size, num_blocks, self.config.vocab_size, self.grammars, self.is_sampling_rank)
 
     # -- warmup and health -------------------------------------------------
     def warmup(self, request: pb.WarmupRequest) -> pb.WarmupResponse:
@@ -189,10 +189,10 @@ class ModelRunner:
             return batch if self.graphs.can_run(batch) else batch.to(self.device)
         return build_batch(seqs, self.block_size, self.device)
 
-    def _logits(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def logits(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits [S, vocab] float32 of batch.logits_rows, and with Medusa heads
         their normed hidden states [S, hidden], else None): a graph replay
-        when one fits."""
+        when one fits, else an eager forward under `context(batch)`."""
         if self.adapters is not None:
             self.adapters.set_segments(batch.lora_segments)
         if self.graphs is not None and self.graphs.can_run(batch):
@@ -204,7 +204,7 @@ class ModelRunner:
                 return out, None
             vocab = out.shape[1] - self.config.hidden_size
             return out[:, :vocab], out[:, vocab:].clone()  # the graph's buffer is reused next step
-        normed = self.model.final_hidden(self.model(batch.input_ids, self._context(batch)), batch.logits_rows)
+        normed = self.model.final_hidden(self.model(batch.input_ids, self.context(batch)), batch.logits_rows)
         return self.model.lm_head(normed), (normed if self.medusa is not None else None)
 
     def run_scratch(self, tokens: int, seqs: int, decode: bool) -> torch.Tensor:
@@ -226,7 +226,7 @@ class ModelRunner:
         if self.adapters is not None:
             self.adapters.set_segments([])
         with torch.inference_mode():
-            hidden = self.model(batch.input_ids, self._context(batch))
+            hidden = self.model(batch.input_ids, self.context(batch))
             return self.model.logits(hidden, batch.logits_rows)
 
     def health(self) -> None:
@@ -247,12 +247,13 @@ class ModelRunner:
             batch = self._batch(seqs)
             t1 = time.perf_counter_ns()
             with torch.inference_mode():
-                logits, normed = self._logits(batch)  # [S, vocab] float32, [S, hidden] or None
+                logits, normed = self.logits(batch)  # [S, vocab] float32, [S, hidden] or None
                 t2 = time.perf_counter_ns()
                 if normed is not None:
                     self._keep_medusa_rows(batch, normed)
                 # Rank 0 samples; the others answer with computed-token counts only.
-                generations = generations_of(batch, logits, self.sampler if self.samples else None, self.grammars)
+                sampler = self.sampler if self.is_sampling_rank else None
+                generations = generations_of(batch, logits, sampler, self.grammars)
         except Exception:
             # The scheduled sequences' state is now unknown: drop them so the
             # router re-sends them in full (or releases them).
@@ -289,15 +290,19 @@ class ModelRunner:
         # (which alone holds grammars) says how many, and every rank cuts there.
         constrained = [s for s in seqs if s.constrained and s.drafted]
         if constrained:
-            allowed = [self.grammars.allowed_prefix(s.grammar, s.drafts) if self.samples else 0 for s in constrained]
+            allowed = [self.grammars.allowed_prefix(s.grammar, s.drafts) if self.is_sampling_rank else 0
+                       for s in constrained]
             for seq, n in zip(constrained, self.tp.broadcast_from_first(allowed)):
                 seq.drop_drafts(seq.drafted - n)
 
     def _keep_medusa_rows(self, batch: StepBatch, normed: torch.Tensor) -> None:
         """Each sampling sequence keeps its rows' normed hidden states (every
         rank: the next step's drafts come from the row of the last token kept)."""
-        for seq, first in zip(batch.samplers, batch.sample_rows):
+        for seq, first in zip(batch.sampling_seqs, batch.sample_rows):
             seq.medusa_rows = normed[first:first + 1 + seq.drafted]
 
-    def _context(self, batch: StepBatch) -> ForwardContext:
+    def context(self, batch: StepBatch) -> ForwardContext:
+        """What the model's forward of `batch` runs under: the batch's attention
+        metadata over this runner's KV cache and backend (the forward writes
+        the batch's K/V into the cache)."""
         return batch.context(self.cache.layers, self.backend)

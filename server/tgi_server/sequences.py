@@ -54,7 +54,7 @@ class ShardSequence:
     last_kept: int = 0
 
     @property
-    def samples(self) -> bool:
+    def samples_this_step(self) -> bool:
         """Whether the current step reaches the last known token."""
         return self.num_computed + self.scheduled == len(self.token_ids)
 
@@ -139,16 +139,16 @@ class SequenceTable:
     """All live sequences of this shard, by id.
 
     `grammars` compiles the grammars of new sequences; None (a shard without a
-    tokenizer) refuses them. samples=False (tensor-parallel ranks > 0, which
-    never sample) ignores grammars: rank 0 alone compiles and checks them."""
+    tokenizer) refuses them. is_sampling_rank=False (tensor-parallel ranks > 0,
+    which never sample) ignores grammars: rank 0 alone compiles and checks them."""
 
     def __init__(self, block_size: int, num_blocks: int, vocab_size: int,
-                 grammars: GrammarCompiler | None = None, samples: bool = True):
+                 grammars: GrammarCompiler | None = None, is_sampling_rank: bool = True):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vocab_size = vocab_size
         self.grammars = grammars
-        self.samples = samples
+        self.is_sampling_rank = is_sampling_rank
         self._seqs: dict[int, ShardSequence] = {}
 
     def __len__(self) -> int:
@@ -197,7 +197,7 @@ class SequenceTable:
             seq.block_table.extend(change.blocks)
             seq.scheduled = change.scheduled
             seq.draft_limit = 0
-            if change.draft_limit and change.scheduled == 1 and seq.samples:
+            if change.draft_limit and change.scheduled == 1 and seq.samples_this_step:
                 seq.allow_drafts(change.draft_limit)
             self._seqs[seq.id] = seq
             scheduled_seqs.append(seq)
@@ -257,7 +257,7 @@ class SequenceTable:
                                 f"vocabulary (size {self.vocab_size})")
         # Grammars compile only once the tokens they consume are known to be valid.
         for change, n in zip(staged[len(request.running):], request.new_sequences):
-            if n.parameters.grammar and self.samples:
+            if n.parameters.grammar and self.is_sampling_rank:
                 seq = change.seq
                 seq.grammar = self._grammar(seq.id, n.parameters, change.tokens[seq.prompt_length:])
         return staged

@@ -32,7 +32,7 @@ from .test_quant_models import dequantized_reference, hf_logits
 
 pytestmark = pytest.mark.slow
 TEXT_TOKENS = 2000
-CALIBRATION_SAMPLES = {"gptq": 16, "awq": 64}
+CALIBRATION_SEQUENCES = {"gptq": 16, "awq": 64}
 SERVED = default_dtype(torch.device("cpu"))
 LICENSE = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
 
@@ -49,7 +49,7 @@ def quantized(request, tmp_path_factory):
     """(method, SmolLM2 quantized by it: 4 bits, groups of 32; GPTQ asymmetric with act-order)."""
     path = tmp_path_factory.mktemp("smollm2") / request.param
     quantize_model(None, path, request.param, group_size=32, act_order=request.param == "gptq",
-                   samples=CALIBRATION_SAMPLES[request.param])
+                   calibration_sequences=CALIBRATION_SEQUENCES[request.param])
     return request.param, path
 
 

@@ -49,22 +49,22 @@ def stdlib_text(chars: int) -> str:
     return "\n\n".join(parts)
 
 
-def calibration_ids(model, tokenizer, samples: int, length: int, seed: int,
+def calibration_ids(model, tokenizer, num_sequences: int, length: int, seed: int,
                     source: str | Path = "stdlib") -> torch.Tensor:
-    """[samples, length] token ids: windows of the text `source` names
+    """[num_sequences, length] token ids: windows of the text `source` names
     ("stdlib", or a file path) tokenized, or with "generated" sequences the
     model samples (temperature 1, top-k 50) from BOS (needed when there is
     no tokenizer)."""
     if source != "generated" and tokenizer is not None:
-        text = stdlib_text(samples * length * 6) if source == "stdlib" else Path(source).read_text()
+        text = stdlib_text(num_sequences * length * 6) if source == "stdlib" else Path(source).read_text()
         ids = tokenizer(text, return_tensors="pt").input_ids[0]
         windows = ids[: len(ids) // length * length].reshape(-1, length)
         if len(windows) == 0:
             raise ValueError(f"{source}: fewer than {length} tokens")
-        return windows[:samples]
+        return windows[:num_sequences]
     bos = model.config.bos_token_id if model.config.bos_token_id is not None else 0
     torch.manual_seed(seed)
-    start = torch.full((samples, 1), bos, dtype=torch.long)
+    start = torch.full((num_sequences, 1), bos, dtype=torch.long)
     with torch.no_grad():
         out = model.generate(start, attention_mask=torch.ones_like(start), do_sample=True, top_k=50,
                              max_new_tokens=length - 1, min_new_tokens=length - 1, pad_token_id=bos)
@@ -162,7 +162,7 @@ def sample_inputs(layer, chunks: list[tuple[torch.Tensor, dict]], names: list[st
     linears `names` (INPUT_GROUPS keys, in forward order) over all chunks,
     drawn at random in proportion to each chunk's tokens (AWQ's search). The
     pass stops at the last of them."""
-    samples, generator = {}, torch.Generator().manual_seed(seed)
+    captured_inputs, generator = {}, torch.Generator().manual_seed(seed)
     total = sum(hidden.shape[0] * hidden.shape[1] for hidden, _ in chunks)
 
     def hook(name):
@@ -170,7 +170,8 @@ def sample_inputs(layer, chunks: list[tuple[torch.Tensor, dict]], names: list[st
             x = args[0].reshape(-1, args[0].shape[-1]).float()  # [c * L, K]
             rows = max(1, max_rows * x.shape[0] // total)
             picked = x[torch.randperm(x.shape[0], generator=generator)[:rows]]
-            samples[name] = torch.cat([samples[name], picked]) if name in samples else picked
+            captured_inputs[name] = (torch.cat([captured_inputs[name], picked]) if name in captured_inputs
+                                     else picked)
             if name == names[-1]:
                 raise _Stop
         return catch
@@ -186,7 +187,7 @@ def sample_inputs(layer, chunks: list[tuple[torch.Tensor, dict]], names: list[st
     finally:
         for handle in handles:
             handle.remove()
-    return samples
+    return captured_inputs
 
 
 def submodule(layer, name: str):

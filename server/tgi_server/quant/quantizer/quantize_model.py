@@ -20,7 +20,7 @@ QUANTIZABLE = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def quantize_model(model_id: str | None, out: Path, method: str, bits: int = 4, group_size: int = 128,
-                   act_order: bool = False, symmetric: bool = False, samples: int = 64, length: int = 128,
+                   act_order: bool = False, symmetric: bool = False, calibration_sequences: int = 64, length: int = 128,
                    seed: int = 0, calibration: str | Path = "stdlib") -> None:
     """Quantize every decoder linear of `model_id` (None: the default model)
     with GPTQ (`bits` 4 or 8, symmetric or not, optional act-order) or AWQ
@@ -39,7 +39,7 @@ def quantize_model(model_id: str | None, out: Path, method: str, bits: int = 4, 
     if model.config.model_type not in QUANTIZABLE:
         raise ValueError(f"the quantizer follows the decoder layers of {', '.join(QUANTIZABLE)}, not "
                          f"{model.config.model_type}'s (norms after attention, fused or routed MLPs)")
-    ids = calibration_ids(model, tokenizer, samples, length, seed, calibration)
+    ids = calibration_ids(model, tokenizer, calibration_sequences, length, seed, calibration)
     chunks = first_layer_inputs(model, ids)
     matrices: dict[str, QuantizedMatrix] = {}
     for i, layer in enumerate(model.model.layers):
@@ -64,7 +64,7 @@ def quantize_model(model_id: str | None, out: Path, method: str, bits: int = 4, 
     save_quantized(model, matrices, out, method, group_size, act_order, symmetric, tokenizer)
 
 
-def _awq_rescale(layer, samples: dict[str, torch.Tensor], group_size: int) -> None:
+def _awq_rescale(layer, captured_inputs: dict[str, torch.Tensor], group_size: int) -> None:
     """Folds AWQ's searched factors into the layer: q/k/v and gate/up columns
     times s, their norm divided by s; down columns times s, up rows divided
     by s. (o_proj's input comes from v through attention; folding needs v's
@@ -78,7 +78,7 @@ def _awq_rescale(layer, samples: dict[str, torch.Tensor], group_size: int) -> No
         pairs.append(("self_attn.o_proj", attn.v_proj, [attn.o_proj]))
     with torch.no_grad():
         for caught, previous, linears in pairs:
-            x = samples[caught]
+            x = captured_inputs[caught]
             s = search_scales(x, [m.weight for m in linears], group_size)  # [K]
             for m in linears:
                 m.weight.mul_(s)
