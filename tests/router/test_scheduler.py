@@ -6,6 +6,7 @@ from tgi_proto import pb
 from tgi_router.scheduling.block_manager import BlockManager
 from tgi_router.scheduling.scheduler import Scheduler
 from tgi_router.scheduling.sequence import FinishReason, Sequence, Status, StoppingCriteria
+from tgi_router.scheduling.step_budget import StepBudget
 
 
 def seq(i: int, n: int, max_new: int = 4, stop=()) -> Sequence:
@@ -19,6 +20,18 @@ def answer(step, token: int = 7) -> pb.StepResponse:
     return pb.StepResponse(generations=[
         pb.Generation(id=s.id, sampled=s.num_computed + n == len(s.token_ids), token_id=token)
         for s, n in step.seqs])
+
+
+def test_the_budget_bounds_prompt_chunks_by_the_prompt_allowance_and_decodes_by_the_step_only():
+    budget = StepBudget(tokens=10, prompt=4)
+    assert budget.offer(1) == 1 and budget.offer(7) == 4 and budget.offer(3) == 3
+    budget.take(7, 4)  # a prompt's chunk
+    assert (budget.tokens, budget.prompt) == (6, 0)
+    assert budget.offer(7) == 0 and budget.offer(1) == 1  # no prompt tokens left; a decode still fits
+    budget.take(1, 1)
+    assert (budget.tokens, budget.prompt) == (5, 0)
+    budget.tokens = 0
+    assert budget.offer(1) == 0
 
 
 def test_block_manager_allocates_and_frees():

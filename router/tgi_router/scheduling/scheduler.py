@@ -28,6 +28,7 @@ from tgi_proto import pb
 from tgi_router.scheduling.block_manager import BlockManager, chain_hashes
 from tgi_router.scheduling.sequence import FinishReason, Sequence, Status
 from tgi_router.scheduling.speculation import SpeculationPolicy
+from tgi_router.scheduling.step_budget import StepBudget
 from tgi_router.scheduling.step_pacer import StepPacer
 
 
@@ -96,17 +97,15 @@ class Scheduler:
         return bool(self._to_release)
 
     def schedule(self) -> ScheduledStep:
-        budget = self.max_batch_tokens
-        prompt = self._prompt_allowance(sum(1 for seq in self.running if seq.remaining == 1))
+        budget = StepBudget(self.max_batch_tokens,
+                            self._prompt_allowance(sum(1 for seq in self.running if seq.remaining == 1)))
         chosen: list[tuple[Sequence, int]] = []
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING or budget == 0 or len(chosen) >= self.max_batch_size:
+            if seq.status is not Status.RUNNING or len(chosen) >= self.max_batch_size:
                 continue  # preempted by an earlier one in this loop, or no room this step
-            n = min(seq.remaining, budget)
-            if seq.remaining > 1:  # a prompt's chunk (or a preempted sequence's recompute)
-                n = min(n, prompt)
-                if n == 0:
-                    continue
+            n = budget.offer(seq.remaining)
+            if n == 0:
+                continue
             while not self._grow(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -114,18 +113,16 @@ class Scheduler:
                     break
             if seq.status is Status.RUNNING:
                 chosen.append((seq, n))
-                budget -= n
-                if seq.remaining > 1:
-                    prompt -= n
-        drafts = self._drafts([(seq, seq.num_generated) for seq, n in chosen if seq.remaining == 1], budget)
+                budget.take(seq.remaining, n)
+        drafts = self._drafts([(seq, seq.num_generated) for seq, n in chosen if seq.remaining == 1], budget.tokens)
         for seq, _ in chosen:
             if seq.id in drafts and not self._grow(seq, 1 + drafts[seq.id]):
                 del drafts[seq.id]  # no free blocks for them: it decodes without
         chosen = [(seq, n + drafts.get(seq.id, 0)) for seq, n in chosen]
-        budget -= sum(drafts.values())
+        budget.tokens -= sum(drafts.values())
         if self._may_join(len(chosen)):
             pending = {h for seq, n in chosen for h in self._filled_hashes(seq, seq.num_computed, n)}
-            self._admit(chosen, budget, prompt, pending)
+            self._admit(chosen, budget, pending)
         self._steps_since_join += 1
         return ScheduledStep(chosen, self.take_releases(), drafts)
 
@@ -145,23 +142,20 @@ class Scheduler:
                     continue  # that token is its last
                 remaining = 1
             wanted.append((seq, remaining, computed))
-        budget = self.max_batch_tokens
-        prompt = self._prompt_allowance(sum(1 for _, remaining, _ in wanted if remaining == 1))
+        budget = StepBudget(self.max_batch_tokens,
+                            self._prompt_allowance(sum(1 for _, remaining, _ in wanted if remaining == 1)))
         plan: list[tuple[Sequence, int, int]] = []  # (sequence, tokens to compute, computed before them)
         for seq, remaining, computed in wanted:
-            if budget == 0 or len(plan) >= self.max_batch_size:
+            if len(plan) >= self.max_batch_size:
                 break
-            n = min(remaining, budget)
-            if remaining > 1:
-                n = min(n, prompt)
-                if n == 0:
-                    continue
-                prompt -= n
+            n = budget.offer(remaining)
+            if n == 0:
+                continue
             plan.append((seq, n, computed))
-            budget -= n
+            budget.take(remaining, n)
         # Generated tokens once the step in flight has run: at least one more when it samples.
         drafts = self._drafts([(seq, seq.num_generated + (len(seq.token_ids) <= c)) for seq, n, c in plan
-                               if n == 1 and len(seq.token_ids) - c <= 1], budget)
+                               if n == 1 and len(seq.token_ids) - c <= 1], budget.tokens)
         with_drafts = [(seq, n + drafts.get(seq.id, 0), c) for seq, n, c in plan]
         missing = [self.blocks.blocks_for(c + n) - len(seq.block_table) for seq, n, c in with_drafts]
         if drafts and sum(m for m in missing if m > 0) > self.blocks.num_available:
@@ -174,14 +168,14 @@ class Scheduler:
             if m > 0:
                 seq.block_table.extend(self.blocks.allocate(m))
         chosen = [(seq, n) for seq, n, _ in plan]
-        budget -= sum(drafts.values())
+        budget.tokens -= sum(drafts.values())
         if self._may_join(len(chosen)):
             # Blocks the step in flight fills are not registered yet: a
             # newcomer that could hit them waits, as for this step's own.
             pending = {h for seq, n in inflight.seqs if seq.status is Status.RUNNING
                        for h in self._filled_hashes(seq, seq.num_computed, n)}
             pending.update(h for seq, n, c in plan for h in self._filled_hashes(seq, c, n))
-            self._admit(chosen, budget, prompt, pending)
+            self._admit(chosen, budget, pending)
         if not chosen:
             return None
         self._steps_since_join += 1
@@ -233,14 +227,14 @@ class Scheduler:
         self.join_reason = "backpressure"
         return len(self.waiting) >= int(running * self.waiting_served_ratio)
 
-    def _admit(self, chosen: list[tuple[Sequence, int]], budget: int, prompt: int, pending: set[int]) -> None:
-        """Admits waiting sequences into `chosen` while `budget` tokens (of
-        which `prompt` may be theirs) and blocks last; `pending`: prefix
-        hashes of blocks being filled (by `chosen` or a step in flight),
-        extended with the newcomers'."""
+    def _admit(self, chosen: list[tuple[Sequence, int]], left: StepBudget, pending: set[int]) -> None:
+        """Admits waiting sequences into `chosen` while the step's budget
+        `left` and blocks last (every newcomer token counts as a prompt
+        token); `pending`: prefix hashes of blocks being filled (by `chosen`
+        or a step in flight), extended with the newcomers'."""
         caching = self.blocks.prefix_caching
-        paced = prompt < budget
-        budget = min(budget, prompt)
+        paced = left.prompt < left.tokens
+        budget = min(left.tokens, left.prompt)
         joined = False
         for seq in list(self.waiting):
             if budget == 0 or len(chosen) >= self.max_batch_size:
