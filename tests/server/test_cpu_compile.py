@@ -59,7 +59,8 @@ def test_smollm2_float32_compiled_greedy_is_transformers_and_eager(tmp_path, smo
     with InProcessShard(_dir(tmp_path / "eager"), str(gguf_path), kv_cache_bytes=64 << 20) as shard:
         eager = asyncio.run(run_prompts(shard.socket, prompts, NEW_TOKENS))
         assert shard.runner.graphs is None
-    with InProcessShard(_dir(tmp_path / "compiled"), str(gguf_path), kv_cache_bytes=64 << 20, cuda_graphs=(1, 4)) as shard:
+    with InProcessShard(_dir(tmp_path / "compiled"), str(gguf_path), kv_cache_bytes=64 << 20,
+                        cuda_graphs=(1, 4)) as shard:
         runner = shard.runner
         ran = _counted(monkeypatch)
         together = asyncio.run(run_prompts(shard.socket, prompts, NEW_TOKENS))
@@ -84,8 +85,8 @@ def test_a_compiled_step_gives_the_eager_logits_whatever_its_padding(tmp_path, c
         for lens in ([40, 20, 9], [40]):  # 3 rows padded to 4, one padded to 2
             batch = _decode_batch(runner, lens, tables[:len(lens)])
             with torch.inference_mode():
-                want = runner.model.logits(runner.model(batch.input_ids, runner._context(batch)), None)
-                got, _ = runner._logits(batch)  # (logits, normed hidden states with Medusa heads)
+                want = runner.model.logits(runner.model(batch.input_ids, runner.context(batch)), None)
+                got, _ = runner.logits(batch)  # (logits, normed hidden states with Medusa heads)
             torch.testing.assert_close(got, want)
 
 
@@ -104,8 +105,8 @@ def test_warmup_measures_which_rows_each_size_runs_and_fewer_run_eagerly(tmp_pat
         four = _decode_batch(runner, [40, 20, 9, 5], [[1, 2, 3], [4, 5], [6], [7]])
         assert not graphs.can_run(three) and graphs.can_run(four)
         with torch.inference_mode():
-            want = runner.model.logits(runner.model(three.input_ids, runner._context(three)), None)
-            got, _ = runner._logits(three)
+            want = runner.model.logits(runner.model(three.input_ids, runner.context(three)), None)
+            got, _ = runner.logits(three)
         torch.testing.assert_close(got, want, rtol=0, atol=0)  # the eager path itself
 
 
@@ -153,8 +154,8 @@ def test_a_step_under_another_thread_count_runs_eagerly_without_recompiling(tmp_
             torch.set_num_threads(1 if threads > 1 else 2)
             assert not runner.graphs.can_run(batch)
             with torch.inference_mode():
-                want = runner.model.logits(runner.model(batch.input_ids, runner._context(batch)), None)
-                got, _ = runner._logits(batch)  # (logits, normed hidden states with Medusa heads)
+                want = runner.model.logits(runner.model(batch.input_ids, runner.context(batch)), None)
+                got, _ = runner.logits(batch)  # (logits, normed hidden states with Medusa heads)
             torch.testing.assert_close(got, want)
         finally:
             torch.set_num_threads(threads)

@@ -145,7 +145,7 @@ def test_padded_replay_gives_the_eager_hidden_states_and_leaves_real_blocks_alon
     runner = _runner(tmp_path, "cpu", "sdpa", dtype=dtype)
     batch = _decode_batch(runner, [5, 16, 40])
     with torch.inference_mode():
-        want = runner.model(batch.input_ids, runner._context(batch))  # writes the step's K/V
+        want = runner.model(batch.input_ids, runner.context(batch))  # writes the step's K/V
         cache_after_eager = [(k.clone(), v.clone()) for k, v in runner.cache.layers]
         graphs = _graphs(runner, (1, 4, 8), "eager")
         got = graphs.run(batch)
@@ -170,7 +170,7 @@ def test_replays_in_turn_each_give_the_eager_hidden_states(tmp_path):
     for lens in ([5, 16, 40, 70, 2], [3], [33, 1, 17], [100]):
         batch = _decode_batch(runner, lens)
         with torch.inference_mode():
-            want = runner.model(batch.input_ids, runner._context(batch))
+            want = runner.model(batch.input_ids, runner.context(batch))
             got = graphs.run(batch)
         torch.testing.assert_close(got, want)
 
@@ -196,6 +196,6 @@ def test_captured_graphs_replay_the_eager_forward_on_cuda(tmp_path):
     for lens in ([5], [5, 16, 40], [1, 2, 3, 4, 17, 33, 64]):
         batch = _decode_batch(runner, lens)
         with torch.inference_mode():
-            want = runner.model.logits(runner.model(batch.input_ids, runner._context(batch)), None)
-            got, _ = runner._logits(batch)  # (logits, normed hidden states with Medusa heads)
+            want = runner.model.logits(runner.model(batch.input_ids, runner.context(batch)), None)
+            got, _ = runner.logits(batch)  # (logits, normed hidden states with Medusa heads)
         torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-2)

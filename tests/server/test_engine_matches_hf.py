@@ -22,14 +22,14 @@ def engine_logits(runner, prompt: list[int]) -> torch.Tensor:
                         block_table=list(range(-(-len(prompt) // runner.block_size))), params=None,
                         prefill_logprobs=True, scheduled=len(prompt))
     batch = build_batch([seq], runner.block_size, runner.device)
-    ctx = runner._context(batch)
+    ctx = runner.context(batch)
     with torch.inference_mode():
         hidden = runner.model(batch.input_ids, ctx)
         return runner.model.logits(hidden, batch.logits_rows)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma2", "gemma3_text", "phi3",
-                                        "mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma2", "gemma3_text",
+                                        "phi3", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_tiny_models_match_transformers(tmp_path, model_type):
     path = save_tiny_model(model_type, tmp_path / model_type)
     hf = HF_CLASSES[model_type][1].from_pretrained(path, dtype=torch.float32).eval()

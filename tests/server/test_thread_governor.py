@@ -29,7 +29,8 @@ def stat(*cores: tuple[int, int]) -> str:
 
 
 def test_busy_seconds_sums_the_busy_fields_of_the_given_cores():
-    text = "cpu  9 9 9 9 9 9 9 9 0 0\ncpu0 1 2 3 100 50 4 5 6 7 8\ncpu1 10 0 0 0 0 0 0 0 0 0\ncpu7 5 0 0 0 0 0 0 0 0 0\n"
+    text = ("cpu  9 9 9 9 9 9 9 9 0 0\ncpu0 1 2 3 100 50 4 5 6 7 8\ncpu1 10 0 0 0 0 0 0 0 0 0\n"
+            "cpu7 5 0 0 0 0 0 0 0 0 0\n")
     # user nice system irq softirq steal; idle, iowait and guest time (inside user) left out
     assert busy_seconds(text, {0}) == pytest.approx(21 / TICK)
     assert busy_seconds(text, {0, 7}) == pytest.approx(26 / TICK)
@@ -124,7 +125,7 @@ def _logits(runner, prompt: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         for seq in (prefill, decode):
             batch = build_batch([seq], runner.block_size, runner.device)
-            out.append(runner.model.logits(runner.model(batch.input_ids, runner._context(batch)),
+            out.append(runner.model.logits(runner.model(batch.input_ids, runner.context(batch)),
                                            batch.logits_rows))
     return torch.cat(out)
 
