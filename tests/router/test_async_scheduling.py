@@ -83,7 +83,7 @@ def test_pipelined_outputs_equal_each_sequence_alone_and_nothing_leaks(scenario)
         client = Client(shard)
         engine = Engine(client, scheduler)
         seqs, cancelled = [], set()
-        for step in range(400):
+        for _ in range(400):
             if len(seqs) < 24 and rng.random() < 0.3:
                 prefix = shared[:rng.randrange(0, 10)] if rng.random() < 0.5 else []
                 prompt = prefix + [rng.randrange(10, 60) for _ in range(rng.randrange(1, 12))]
@@ -94,7 +94,7 @@ def test_pipelined_outputs_equal_each_sequence_alone_and_nothing_leaks(scenario)
             live = [s for s in seqs if s.status is Status.RUNNING]
             if live and rng.random() < 0.03:  # a client goes away mid-flight
                 victim = rng.choice(live)
-                scheduler.finish(victim, FinishReason.LENGTH)
+                scheduler.finish(victim, FinishReason.CANCELLED)
                 cancelled.add(victim.id)
             await engine.step()
             if len(seqs) >= 24 and engine.idle:

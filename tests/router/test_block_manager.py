@@ -135,7 +135,7 @@ class RandomLoad:
     def cancel_one(self, among: list[Sequence]) -> None:
         candidates = [s for s in among if s.status is not Status.FINISHED]
         if candidates:
-            self.scheduler.finish(self.rng.choice(candidates), FinishReason.LENGTH)
+            self.scheduler.finish(self.rng.choice(candidates), FinishReason.CANCELLED)
             self.check()
 
     def step(self, step_id: int) -> None:

@@ -14,7 +14,7 @@ from tgi_router.scheduling.block_manager import BlockManager
 from tgi_router.scheduling.client import ShardError
 from tgi_router.scheduling.engine import Engine
 from tgi_router.scheduling.scheduler import Scheduler
-from tgi_router.scheduling.sequence import FinishReason, Sequence, StoppingCriteria
+from tgi_router.scheduling.sequence import FinishReason, Sequence, Status, StoppingCriteria
 from tgi_router.telemetry.metrics import Metrics
 from tgi_router.web.admission import Gate, ServerState
 
@@ -80,6 +80,28 @@ def test_a_request_arriving_during_a_release_is_not_failed():
         await engine.step()
         assert late.finish_reason is FinishReason.LENGTH
     asyncio.run(go())
+
+
+def test_a_cancelled_request_ends_its_unfinished_sequences_as_cancelled_not_length():
+    """Cancelling (the client hung up, or the request failed) is no length
+    limit: the unfinished sequences end as CANCELLED and give their blocks
+    back; one that had finished keeps its reason."""
+    async def go():
+        bm = BlockManager(8, 4)
+        scheduler = Scheduler(bm, max_batch_tokens=64, max_batch_size=2)
+        engine = Engine(FakeClient(), scheduler, plan_ahead=False)
+        done, running, waiting = seq(1, new=1), seq(2, new=5), seq(3, new=5)
+        for s in (done, running, waiting):
+            scheduler.add(s)
+        await engine.step()
+        assert (done.status, running.status, waiting.status) == (Status.FINISHED, Status.RUNNING, Status.WAITING)
+        engine.cancel(SimpleNamespace(sequences=[done, running, waiting]))
+        while not engine.idle:
+            await engine.step()
+        return bm, [s.finish_reason for s in (done, running, waiting)]
+    bm, reasons = asyncio.run(go())
+    assert reasons == [FinishReason.LENGTH, FinishReason.CANCELLED, FinishReason.CANCELLED]
+    assert bm.num_used == 0
 
 
 class KVClient:

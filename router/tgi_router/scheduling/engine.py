@@ -88,7 +88,7 @@ class Engine:
     def cancel(self, stream: RequestStream) -> None:
         for seq in stream.sequences:
             if seq.finish_reason is None:
-                self.scheduler.finish(seq, FinishReason.LENGTH)
+                self.scheduler.finish(seq, FinishReason.CANCELLED)
             self._streams.pop(seq.id, None)
         self._wakeup.set()
 
@@ -207,7 +207,7 @@ class Engine:
         only guards against a mis-sized cache)."""
         seq = self.scheduler.waiting[0]
         stream = self._streams.get(seq.id)
-        self.scheduler.finish(seq, FinishReason.LENGTH)
+        self.scheduler.finish(seq, FinishReason.CANCELLED)
         if stream is not None:
             stream.fail("Request needs more KV cache than the server has")
             self.cancel(stream)

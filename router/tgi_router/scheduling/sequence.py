@@ -16,9 +16,13 @@ class Status(Enum):
 
 
 class FinishReason(Enum):
+    """Why a sequence ended. The first three are TGI's and reach clients;
+    CANCELLED (its client hung up, or its request failed) never does: the
+    engine drops a cancelled request's stream before any result is built."""
     LENGTH = "length"
     EOS_TOKEN = "eos_token"
     STOP_SEQUENCE = "stop_sequence"
+    CANCELLED = "cancelled"
 
 
 @dataclass(frozen=True)
