@@ -16,7 +16,7 @@ import torch
 from tgi_proto import pb
 from tgi_proto.rpc import StatusCode
 from tgi_router.scheduling.client import ShardClient, ShardError
-from tgi_server.distributed import TensorParallel
+from tgi_server.distributed import COLLECTIVE_TIMEOUT_S, TensorParallel
 from tgi_server.layers.attention import HeadShard
 from tgi_server.model_loader import load_model, open_checkpoint, weight_bytes
 from tgi_server.weights.resolve import default_model_path, resolve_model
@@ -246,7 +246,8 @@ def test_a_dead_rank_fails_the_next_step_on_rank_0_at_once(tmp_path):
         start = time.monotonic()
         with pytest.raises(ShardError) as err:
             call(shards.sockets[:1], lambda c: c.step(request))
-        assert time.monotonic() - start < 10
+        # From the dead peer's closed connection, not the collective's timeout.
+        assert time.monotonic() - start < COLLECTIVE_TIMEOUT_S / 2
         assert err.value.code is StatusCode.INTERNAL
         with pytest.raises(ShardError) as err:
             call(shards.sockets[:1], lambda c: c.health())
