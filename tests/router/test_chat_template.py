@@ -90,7 +90,7 @@ def test_developer_role_renders_as_system(smollm2, smollm2_template):
 
 
 def test_tool_template_receives_tools_and_calls_like_transformers(smollm2):
-    template = ChatTemplate(TOOL_TEMPLATE, None, None)
+    template = ChatTemplate(TOOL_TEMPLATE, bos_token=None, eos_token=None)
     assert template.supports_tools
     request = msgs({"role": "user", "content": "Weather in Paris?"},
                    {"role": "assistant", "content": None, "tool_calls": [
@@ -110,7 +110,7 @@ def test_generation_blocks_render_their_body_like_transformers(smollm2):
     source = ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
               "{{ m.content }}{% endgeneration %}{% else %}[{{ m.content }}]{% endif %}{% endfor %}")
     messages = CONVERSATIONS["multi_turn"]
-    assert ChatTemplate(source, None, None).render(messages) == smollm2.apply_chat_template(
+    assert ChatTemplate(source, bos_token=None, eos_token=None).render(messages) == smollm2.apply_chat_template(
         messages, chat_template=source, tokenize=False)
 
 
@@ -118,7 +118,7 @@ def test_tojson_matches_transformers(smollm2):
     source = ("{{ messages[0] | tojson }}|{{ messages[0] | tojson(indent=2) }}|"
               "{{ messages[0] | tojson(separators=(',', ':'), sort_keys=true) }}")
     messages = [{"role": "user", "content": "<é & \"q\">"}]
-    assert ChatTemplate(source, None, None).render(messages) == smollm2.apply_chat_template(
+    assert ChatTemplate(source, bos_token=None, eos_token=None).render(messages) == smollm2.apply_chat_template(
         messages, chat_template=source, tokenize=False)
 
 
@@ -131,12 +131,13 @@ def test_bos_and_eos_tokens_are_variables():
 
 
 def test_strftime_now_formats_the_current_time():
-    rendered = ChatTemplate("{{ strftime_now('%Y-%m-%d') }}", None, None).render([])
+    rendered = ChatTemplate("{{ strftime_now('%Y-%m-%d') }}", bos_token=None, eos_token=None).render([])
     assert len(rendered) == 10 and rendered[4] == "-"
 
 
 def test_extra_kwargs_are_variables_but_cannot_replace_the_renders_own():
-    template = ChatTemplate("{{ mode }}|{{ messages | length }}|{{ tools }}|{{ add_generation_prompt }}", None, None)
+    template = ChatTemplate("{{ mode }}|{{ messages | length }}|{{ tools }}|{{ add_generation_prompt }}",
+                            bos_token=None, eos_token=None)
     extra = {"mode": "think", "messages": [], "tools": ["x"], "add_generation_prompt": False}
     assert template.render([{"role": "user", "content": "x"}], extra=extra) == "think|1|None|True"
 
@@ -172,7 +173,7 @@ def test_default_tool_prompt_asks_for_arguments_not_parameters():
 
 
 def test_no_template_fails_at_render():
-    template = ChatTemplate(None, None, None)
+    template = ChatTemplate(template=None, bos_token=None, eos_token=None)
     assert not template.supports_tools
     with pytest.raises(TemplateError, match="This model has no chat template"):
         template.render([{"role": "user", "content": "x"}])
@@ -181,13 +182,13 @@ def test_no_template_fails_at_render():
 @pytest.mark.parametrize("source", ["{% if %}", "{% for m in messages %}", "{{ }}", "{% foo %}"])
 def test_a_template_that_does_not_compile_fails_at_construction(source):
     with pytest.raises(TemplateError):
-        ChatTemplate(source, None, None)
+        ChatTemplate(source, bos_token=None, eos_token=None)
 
 
 def test_raise_exception_gives_the_templates_message():
     source = "{% if messages[0].role != 'user' %}{{ raise_exception('Conversation must start with user') }}{% endif %}"
     with pytest.raises(TemplateError) as info:
-        ChatTemplate(source, None, None).render([{"role": "assistant", "content": "x"}])
+        ChatTemplate(source, bos_token=None, eos_token=None).render([{"role": "assistant", "content": "x"}])
     assert str(info.value) == "Conversation must start with user"
 
 
@@ -215,7 +216,7 @@ def test_template_error_is_the_routers_422():
 ])
 def test_hostile_templates_fail_with_a_template_error(source):
     with pytest.raises(TemplateError) as info:
-        ChatTemplate(source, None, None).render([{"role": "user", "content": "x"}])
+        ChatTemplate(source, bos_token=None, eos_token=None).render([{"role": "user", "content": "x"}])
     assert "\n" not in str(info.value)
 
 
@@ -228,7 +229,7 @@ def test_hostile_templates_fail_with_a_template_error(source):
 ])
 def test_render_errors_are_one_line_template_errors(source):
     with pytest.raises(TemplateError) as info:
-        ChatTemplate(source, None, None).render([{"role": "user", "content": "x"}])
+        ChatTemplate(source, bos_token=None, eos_token=None).render([{"role": "user", "content": "x"}])
     assert str(info.value) and "\n" not in str(info.value)
 
 
@@ -236,7 +237,7 @@ def test_output_is_bounded():
     source = "{% for i in range(20000) %}{{ messages[0].content }}{% endfor %}"
     big = "z" * (MAX_RENDER_CHARS // 10000)
     with pytest.raises(TemplateError, match="rendered prompt"):
-        ChatTemplate(source, None, None).render([{"role": "user", "content": big}])
+        ChatTemplate(source, bos_token=None, eos_token=None).render([{"role": "user", "content": big}])
 
 
 # ------------------------------------------------------ template_messages
@@ -277,7 +278,8 @@ def test_tool_calls_are_written_into_content_for_other_templates():
     [message] = template_messages(msgs(CALLS), False)
     assert message == {"role": "assistant", "content":
                        '{"name": "f", "arguments": {"x": 1}}\n{"name": "g", "arguments": "not json"}'}
-    [with_text] = template_messages(msgs({**CALLS, "content": "Let me check.", "tool_calls": CALLS["tool_calls"][:1]}), False)
+    first_call = {**CALLS, "content": "Let me check.", "tool_calls": CALLS["tool_calls"][:1]}
+    [with_text] = template_messages(msgs(first_call), False)
     assert with_text["content"] == 'Let me check.\n{"name": "f", "arguments": {"x": 1}}'
 
 

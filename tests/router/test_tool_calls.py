@@ -56,7 +56,7 @@ INVALID_CALLS = {
     (TOOLS, "none"), ([WEATHER], "none"),
 ])
 def test_no_tools_or_none_means_no_grammar_and_no_tools_shown(tools, choice):
-    assert plan_tools(tools, choice) == ToolPlan(None, None)
+    assert plan_tools(tools, choice) == ToolPlan(tools=None, grammar=None)
 
 
 def test_auto_is_a_lark_grammar_and_shows_the_tools():

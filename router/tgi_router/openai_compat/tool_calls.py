@@ -58,7 +58,7 @@ def plan_tools(tools: list[dict] | None, choice: str | dict | None) -> ToolPlan:
     {"type": "function", "function": {"name": ...}} (None: "auto" with
     tools, as OpenAI). Raises ToolError / ValidationError (422)."""
     if not tools or choice == "none":
-        return ToolPlan(None, None)
+        return ToolPlan(tools=None, grammar=None)
     functions = [t["function"] for t in tools]
     names = [f["name"] for f in functions]
     if len(set(names)) != len(names):
