@@ -69,8 +69,9 @@ async def drive(socket: str, batch_prompts: list[list[int]]) -> dict[int, tuple[
 
 def profile_decode(path: Path, dtype: torch.dtype, batch_prompts: list[list[int]]) -> str:
     """The torch profiler's table of PROFILED_STEPS decode steps at batch 32."""
-    config, weights = open_checkpoint(resolve_model(str(path)), dtype, CPU, None)
-    runner = ModelRunner(load_model(config, weights, TensorParallel()), 16, None, 256 << 20, None)
+    config, weights = open_checkpoint(resolve_model(str(path)), dtype, CPU)
+    runner = ModelRunner(load_model(config, weights, TensorParallel()), 16, attention_backend=None,
+                         kv_cache_bytes=256 << 20)
     runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=len(batch_prompts) * PROMPT_TOKENS,
                                    max_batch_size=len(batch_prompts)))
     blocks = -(-(PROMPT_TOKENS + 2 * PROFILED_STEPS + 2) // 16)

@@ -80,7 +80,7 @@ def load(path: str, quantize: str | None, dtypes: tuple[torch.dtype, torch.dtype
     """(warmed-up runner, weight bytes) of one variant."""
     config, weights = open_checkpoint(resolve_model(path), dtypes[0], CPU, quantize, dtypes[1])
     loaded = load_model(config, weights, TensorParallel())
-    runner = ModelRunner(loaded, BLOCK, None, 256 << 20, None)
+    runner = ModelRunner(loaded, BLOCK, attention_backend=None, kv_cache_bytes=256 << 20)
     runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=max(BATCHES) * PROMPT_TOKENS,
                                    max_batch_size=max(BATCHES)))
     for batch in BATCHES:

@@ -121,7 +121,7 @@ def _attach_draft(runner: ModelRunner, config: ShardConfig, dtype: torch.dtype, 
     (its token ids would mean other text)."""
     source = resolve_model(config.speculative_model, None)
     start = time.perf_counter()
-    c, weights = open_checkpoint(source, dtype, runner.device, None, kernel_dtype, None, None)
+    c, weights = open_checkpoint(source, dtype, runner.device, quant_kernel_dtype=kernel_dtype)
     draft_tokenizer, _ = export_tokenizer(source)
     if not same_vocabulary(tokenizer_json, draft_tokenizer):
         raise ValueError(f"the speculative model {source.model_id} does not share the model's tokenizer: "

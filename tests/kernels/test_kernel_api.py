@@ -63,7 +63,8 @@ def test_unknown_or_unavailable_backend_raises_naming_the_available_ones(name):
 
 def test_calling_an_unknown_backend_raises():
     with pytest.raises(ValueError, match="nope"):
-        tgi_kernels.paged_decode(torch.zeros(1, 1, 4), None, None, None, 1.0, backend="nope")
+        tgi_kernels.paged_decode(torch.zeros(1, 1, 4), k_cache=None, v_cache=None, meta=None, scale=1.0,
+                                 backend="nope")
 
 
 def test_build_prefill_meta_packs_offsets_and_pads_block_tables():

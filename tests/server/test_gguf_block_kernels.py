@@ -92,7 +92,8 @@ def test_q8_0_blocks_decode_exactly_as_gguf_dequantizes_them():
 
 def bf16_runner(path) -> ModelRunner:
     config, weights = open_checkpoint(resolve_model(str(path)), torch.bfloat16, torch.device("cpu"))
-    runner = ModelRunner(load_model(config, weights, TensorParallel()), 16, None, 16 << 20, None)
+    runner = ModelRunner(load_model(config, weights, TensorParallel()), 16, attention_backend=None,
+                         kv_cache_bytes=16 << 20)
     runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_batch_size=4))
     return runner
 

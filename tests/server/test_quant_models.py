@@ -59,7 +59,8 @@ def quantized(request, float_model, tmp_path_factory):
 def runner_for(path, quantize=None, device: str = "cpu") -> ModelRunner:
     """The shard's model runner for `path` (float32), warmed up."""
     config, weights = open_checkpoint(resolve_model(str(path)), torch.float32, torch.device(device), quantize)
-    runner = ModelRunner(load_model(config, weights, TensorParallel()), 16, None, 16 << 20, None)
+    runner = ModelRunner(load_model(config, weights, TensorParallel()), 16, attention_backend=None,
+                         kv_cache_bytes=16 << 20)
     runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_batch_size=4))
     return runner
 

@@ -55,7 +55,8 @@ def quantized(request, tmp_path_factory):
 
 def runner_for(path, dtype, quantize=None) -> ModelRunner:
     config, weights = open_checkpoint(resolve_model(str(path)), dtype, torch.device("cpu"), quantize)
-    runner = ModelRunner(load_model(config, weights, TensorParallel()), 16, None, 128 << 20, None)
+    runner = ModelRunner(load_model(config, weights, TensorParallel()), 16, attention_backend=None,
+                         kv_cache_bytes=128 << 20)
     runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=TEXT_TOKENS, max_batch_size=1))
     return runner
 

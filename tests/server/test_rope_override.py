@@ -35,7 +35,8 @@ def test_linear_scaling_past_the_checkpoint_s_length_matches_transformers_with_t
     config, weights = open_checkpoint(resolve_model(str(path)), torch.float32, torch.device("cpu"),
                                       rope=("linear", 2.0))
     assert config.max_position_embeddings == 1024
-    runner = ModelRunner(load_model(config, weights, TensorParallel()), 16, None, 16 << 20, None)
+    runner = ModelRunner(load_model(config, weights, TensorParallel()), 16, attention_backend=None,
+                         kv_cache_bytes=16 << 20)
     runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_batch_size=4))
     hf_config = transformers.AutoConfig.from_pretrained(path)
     hf_config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
