@@ -74,7 +74,7 @@ class FakeKVShard:
         for p in range(seq.computed, seq.computed + n):
             block = seq.table[p // bs]
             # 0: its sequence was cancelled while this step was in flight
-            assert self.bm.ref_count(block) <= 1 and block not in self.bm._hash_of, \
+            assert self.bm.ref_count(block) <= 1 and self.bm.registered_hash(block) is None, \
                 f"seq {seq_id} writes into block {block}, shared or registered"
             self.slots[block * bs + p % bs] = (p, seq.tokens[p])
         self.tokens_computed += n

@@ -13,18 +13,28 @@ from tgi_router.scheduling.sequence import FinishReason, Sequence, Status, Stopp
 from .fake_kv_shard import FakeKVShard
 
 
-def check_books(bm: BlockManager, live: list[Sequence]) -> None:
-    """cached + free + used == total; every block's reference count equals its
-    uses in the live block tables; no block is both referenced and free or
-    cached; cached blocks are exactly the unreferenced registered ones."""
+def check_books(bm: BlockManager, live: list[Sequence], seen_hashes: set[int]) -> None:
+    """Each block is in one state, and the counts of each are the books':
+    cached + free + used == total; every block's reference count equals its
+    uses in the live block tables, and the used blocks are those in a table;
+    cached blocks are exactly the unreferenced registered ones. A registered
+    block's hash finds it; any hash seen registered before (`seen_hashes`,
+    extended here) finds nothing or the block registered under it now."""
     uses = Counter(b for s in live for b in s.block_table)
-    free, cached = bm._free, list(bm._cached)
+    states = [bm.state(b) for b in range(bm.num_blocks)]
+    assert Counter(states) == Counter(free=bm.num_free, cached=bm.num_cached, used=bm.num_used)
     assert bm.num_free + bm.num_cached + bm.num_used == bm.num_blocks
-    assert len(set(free)) == len(free) and not set(free) & set(cached)
     assert [bm.ref_count(b) for b in range(bm.num_blocks)] == [uses[b] for b in range(bm.num_blocks)]
-    assert not set(uses) & (set(free) | set(cached)) and len(uses) == bm.num_used
-    assert set(cached) <= set(bm._hash_of) and not set(free) & set(bm._hash_of)
-    assert {b: h for h, b in bm._by_hash.items()} == bm._hash_of
+    assert [state == "used" for state in states] == [uses[b] > 0 for b in range(bm.num_blocks)]
+    hashes = [bm.registered_hash(b) for b in range(bm.num_blocks)]
+    for block, (state, h) in enumerate(zip(states, hashes)):
+        if state != "used":
+            assert (state == "cached") == (h is not None), f"block {block} is {state}, registered as {h}"
+    registered = {h: b for b, h in enumerate(hashes) if h is not None}
+    assert len(registered) == len(hashes) - hashes.count(None), "a hash registered by two blocks"
+    seen_hashes.update(registered)
+    for h in seen_hashes:
+        assert bm.lookup([h]) == ([registered[h]] if h in registered else []), f"hash {h} finds the wrong block"
 
 
 def test_equal_blocks_after_different_prefixes_hash_differently():
@@ -113,13 +123,14 @@ class RandomLoad:
         self.prefixes = [[rng.randrange(3, 60) for _ in range(20)] for _ in range(3)]
         self.seqs: list[Sequence] = []
         self.hit_tokens = 0
+        self.seen_hashes: set[int] = set()
 
     def live(self) -> list[Sequence]:
         return [s for s in self.seqs if s.status is not Status.FINISHED]
 
     def check(self) -> None:
         assert all(not s.block_table for s in self.scheduler.waiting)
-        check_books(self.bm, self.live())
+        check_books(self.bm, self.live(), self.seen_hashes)
 
     def arrive(self) -> None:
         rng = self.rng

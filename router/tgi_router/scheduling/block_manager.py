@@ -16,6 +16,7 @@ unreferenced blocks are ever evicted.
 """
 
 from collections import OrderedDict
+from typing import Literal
 
 ROOT_HASH = 0  # the parent hash of a sequence's first block
 
@@ -141,3 +142,14 @@ class BlockManager:
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]
+
+    def state(self, block: int) -> Literal["free", "cached", "used"]:
+        """Which of the three states (the module's docstring) `block` is in."""
+        if self._refs[block]:
+            return "used"
+        return "cached" if block in self._cached else "free"
+
+    def registered_hash(self, block: int) -> int | None:
+        """The prefix hash `block` is registered under, None while it holds
+        nothing reusable; a registered block is never written again."""
+        return self._hash_of.get(block)
