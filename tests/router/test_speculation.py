@@ -241,7 +241,7 @@ def test_a_line_the_steps_no_longer_fit_is_measured_again():
     # The host got faster (a competitor left): the old slope leaves a
     # negative base; the policy drafts in full and measures the line again.
     assert serve(policy, seq, lambda rows: 0.006 + 0.0005 * rows, 200)[-10:] == [7] * 10
-    base, per_token = policy._line()
+    base, per_token = policy.cost_line
     assert base == pytest.approx(0.006, rel=0.1) and per_token == pytest.approx(0.0005, rel=0.2)
 
 

@@ -60,6 +60,7 @@ class SpeculationPolicy:
         self.max_drafts = max_drafts
         self._steps = DecayedLine(DECAY)  # decode-only steps: seconds over tokens computed
         self._slope: float | None = None  # the last per-token cost the steps' spread could tell
+        self._cost_line: tuple[float, float] | None = None  # refitted as each decode-only step enters
         self._accepted = 0.0  # all sequences, decayed like a sequence's rate
         self._checked = 0.0
         self.total_drafted = 0   # since start: drafts the shards checked
@@ -97,28 +98,35 @@ class SpeculationPolicy:
                 seq.steps_undrafted += 1
         return out
 
+    @property
+    def cost_line(self) -> tuple[float, float] | None:
+        """(base seconds, seconds per token) of a decode-only step as the policy
+        models it now, or None before any such step."""
+        return self._cost_line
+
     def _threshold(self, batch: int) -> float:
         """The least expected tokens a draft must add: per_token x B / step seconds."""
-        line = self._line()
+        line = self._cost_line
         if line is None:
             return 0.0  # no measure yet: draft, and learn the costs
         base, per_token = line
         seconds = base + per_token * batch
         return per_token * batch / seconds if seconds > 0 else 0.0
 
-    def _line(self) -> tuple[float, float] | None:
-        """(base seconds, seconds per token) of a decode-only step, or None before any."""
+    def _refit(self) -> None:
+        """The cost line of the steps seen so far."""
         fit = self._steps.fit(min_var=0.25)
         if fit is None:
-            return None
+            return
         mn, mt, slope = fit
         if slope is not None:  # steps of different sizes seen: their spread measures a token's cost
             self._slope = slope
         slope = self._slope or 0.0
         if mt - slope * mn < 0:  # not a line of these steps: forget the slope, draft, and learn it again
             self._slope = None
-            return mt, 0.0
-        return mt - slope * mn, slope
+            self._cost_line = mt, 0.0
+        else:
+            self._cost_line = mt - slope * mn, slope
 
     def observe(self, seqs: list[tuple[Sequence, int]], drafts: dict[int, int],
                 generations: dict[int, pb.Generation], seconds: float) -> None:
@@ -140,7 +148,8 @@ class SpeculationPolicy:
                 self.total_drafted += gen.num_drafted
                 self.total_accepted += accepted
         if decode_only and seqs:
-            line = self._line()
+            line = self._cost_line
             if line is not None:  # a hiccup of the host enters as OUTLIER x the line's time at most
                 seconds = min(seconds, OUTLIER * (line[0] + line[1] * computed))
             self._steps.add(computed, seconds)
+            self._refit()
