@@ -46,6 +46,7 @@ from tgi_router.openai_compat.protocol import (
     TopLogprob,
     Usage,
 )
+from tgi_router.openai_compat.stream import ChunkFrame
 
 USER = {"role": "user", "content": "hi"}
 USAGE = Usage(prompt_tokens=5, completion_tokens=2, total_tokens=7)
@@ -231,7 +232,8 @@ def test_garbage_chat_requests_are_validation_errors(body):
 
 def test_nan_in_json_text_is_a_validation_error():
     with pytest.raises(pydantic.ValidationError):
-        ChatCompletionRequest.model_validate_json('{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}')
+        ChatCompletionRequest.model_validate_json(
+            '{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}')
 
 
 @pytest.mark.parametrize("body", [
@@ -387,15 +389,17 @@ TRICKY_TEXTS = ["", "plain", " leading space", 'quote " and \\ backslash', "new\
 @pytest.mark.parametrize("text", TRICKY_TEXTS)
 def test_fast_token_chunks_are_the_bytes_the_models_write(text, include_usage):
     """A streamed token's chunk is built without a model per token: byte
-    for byte what the chunk models write, for any text and both usage modes."""
-    from tgi_router.openai_compat.stream import _data, _Frame
+    for byte the server-sent event of what the chunk models write, for any
+    text and both usage modes."""
+    def event(model: pydantic.BaseModel) -> bytes:
+        return b"data: " + model.model_dump_json().encode() + b"\n\n"
 
     common = {"id": 'cmpl-"x"', "created": 1700000000, "model": "m\u00f6del \"q\"", "system_fingerprint": "fp",
               **({"usage": None} if include_usage else {})}
     completion = {"index": 2, "text": text, "logprobs": None, "finish_reason": None}
-    assert (_Frame(CompletionChunk, {**common, "object": "text_completion"}).event(completion)
-            == _data(CompletionChunk.model_validate({**common, "object": "text_completion", "choices": [completion]})))
+    assert (ChunkFrame(CompletionChunk, {**common, "object": "text_completion"}).event(completion)
+            == event(CompletionChunk.model_validate({**common, "object": "text_completion", "choices": [completion]})))
     chat = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
     chat_common = {**common, "object": "chat.completion.chunk"}
-    assert (_Frame(ChatCompletionChunk, chat_common).event(chat)
-            == _data(ChatCompletionChunk.model_validate({**chat_common, "choices": [chat]})))
+    assert (ChunkFrame(ChatCompletionChunk, chat_common).event(chat)
+            == event(ChatCompletionChunk.model_validate({**chat_common, "choices": [chat]})))

@@ -22,7 +22,7 @@ from tgi_router.text.reasoning import ReasoningParser
 from tgi_router.web.admission import Admitted, Gate
 from tgi_router.web.sse import compact_json
 
-__all__ = ["ResponseMeta", "chat_chunks", "completion_chunks", "finish_reason", "chat_token_logprobs",
+__all__ = ["ChunkFrame", "ResponseMeta", "chat_chunks", "completion_chunks", "finish_reason", "chat_token_logprobs",
            "completion_logprobs", "usage"]
 
 DONE = b"data: [DONE]\n\n"
@@ -74,7 +74,7 @@ def _data(model) -> bytes:
     return b"data: " + model.model_dump_json().encode() + b"\n\n"
 
 
-class _Frame:
+class ChunkFrame:
     """One response's SSE event bytes around a chunk's `choices`, built once
     from a chunk model with no choices: a token's chunk is then its choice's
     JSON between them, with no model built per token (pydantic's validate
@@ -85,7 +85,9 @@ class _Frame:
         self.head, self.tail = head + b'"choices":[', b"]" + tail
 
     def event(self, choice: dict) -> bytes:
-        """The event of a chunk whose only choice is `choice` (plain values only)."""
+        """The event of a chunk whose only choice is `choice` (plain values
+        only): byte for byte the event of `model_cls` built with `fields` and
+        that choice."""
         return self.head + compact_json(choice) + self.tail
 
 
@@ -104,7 +106,7 @@ async def chat_chunks(gate: Gate, admitted: Admitted, meta: ResponseMeta, tools:
 
     common = {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created, "model": meta.model,
               "system_fingerprint": meta.fingerprint, **({"usage": None} if include_usage else {})}
-    frame = _Frame(o.ChatCompletionChunk, common)
+    frame = ChunkFrame(o.ChatCompletionChunk, common)
 
     def chunk(choices: list[dict], usage: o.Usage | None = None) -> bytes:
         return _data(o.ChatCompletionChunk.model_validate({**common, "choices": choices,
@@ -164,7 +166,7 @@ async def completion_chunks(gate: Gate, admitted: Admitted, meta: ResponseMeta, 
 
     common = {"id": meta.id, "object": "text_completion", "created": meta.created, "model": meta.model,
               "system_fingerprint": meta.fingerprint, **({"usage": None} if include_usage else {})}
-    frame = _Frame(o.CompletionChunk, common)
+    frame = ChunkFrame(o.CompletionChunk, common)
 
     def chunk(choices: list[dict], usage: o.Usage | None = None) -> bytes:
         return _data(o.CompletionChunk.model_validate({**common, "choices": choices,
