@@ -15,6 +15,7 @@ holds them. Keys: decode_attention_b{B}_ctx{L}_{way}_ms (one layer) and
 decode_attention_flex_mask_b{B}_ctx{L}_ms."""
 
 import time
+from functools import partial
 
 import torch
 
@@ -109,9 +110,9 @@ def run() -> dict:
     for batch, context in SHAPES:
         query, k_cache, v_cache, meta = paged_batch(batch, context, dtype)
         mask = flex_block_mask(meta, k_cache.shape[0])
-        calls = {"cpu": lambda: attn.paged_decode(query, k_cache, v_cache, meta, scale, backend="cpu"),
-                 "sdpa": lambda: attn.paged_decode(query, k_cache, v_cache, meta, scale, backend="sdpa"),
-                 "flex": lambda: flex_decode(flex, query, k_cache, v_cache, mask, scale)}
+        calls = {"cpu": partial(attn.paged_decode, query, k_cache, v_cache, meta, scale, backend="cpu"),
+                 "sdpa": partial(attn.paged_decode, query, k_cache, v_cache, meta, scale, backend="sdpa"),
+                 "flex": partial(flex_decode, flex, query, k_cache, v_cache, mask, scale)}
         want = attn.paged_decode(query, k_cache, v_cache, meta, scale, backend="reference").float()
         row = f"{batch:>9}{context:>8}"
         for way in ways:
@@ -121,7 +122,7 @@ def run() -> dict:
             ms = _ms(calls[way])
             out[f"decode_attention_b{batch}_ctx{context}_{way}_ms"] = round(ms, 4)
             row += f"{ms:>9.3f}"
-        mask_ms = _ms(lambda: flex_block_mask(meta, k_cache.shape[0]))
+        mask_ms = _ms(partial(flex_block_mask, meta, k_cache.shape[0]))
         out[f"decode_attention_flex_mask_b{batch}_ctx{context}_ms"] = round(mask_ms, 3)
         print(row + f"{mask_ms:>11.3f}", flush=True)
     return out

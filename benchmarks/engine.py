@@ -215,8 +215,8 @@ def run() -> dict:
                 shard.terminate()
                 shard.wait(30)
     results, compiled = both["eager"], both["compiled"]
-    print(f"\nEngine benchmark: SmolLM2-135M {dtype_name(serving_dtype())}, {THREADS} threads, prompts {PROMPT_TOKENS} tokens, "
-          f"{NEW_TOKENS} new tokens")
+    print(f"\nEngine benchmark: SmolLM2-135M {dtype_name(serving_dtype())}, {THREADS} threads, "
+          f"prompts {PROMPT_TOKENS} tokens, {NEW_TOKENS} new tokens")
     print(f"{'':<28}{'tok/s':>10}{'decode tok/s':>14}{'decode vs HF seq':>18}")
     print(f"{'transformers, sequential':<28}{hf_b1:>10.1f}{'':>14}{1.0:>18.2f}")
     print(f"{'transformers, static b32':<28}{hf_b32:>10.1f}{'':>14}{hf_b32 / hf_b1:>18.2f}")
@@ -232,7 +232,7 @@ def run() -> dict:
     out["engine_b1_vs_hf_b1"] = round(results[1][1] / hf_b1, 2)
     out["engine_b32_e2e_vs_hf_sequential"] = round(results[32][0] / hf_b1, 2)
     out["engine_b1_e2e_vs_hf_b1"] = round(results[1][0] / hf_b1, 2)
-    for b, (tps, dps) in compiled.items():  # decode steps compiled, as the launcher's shards run them
+    for b, (_, dps) in compiled.items():  # decode steps compiled, as the launcher's shards run them
         out[f"engine_compiled_b{b}_decode_tok_s"] = round(dps, 1)
         out[f"engine_compiled_vs_eager_b{b}"] = round(dps / results[b][1], 3)
     return out

@@ -151,7 +151,8 @@ def run_load(url: str, prompts: dict, c: int, router_pid: int | None = None) -> 
     result = asyncio.run(measure(url, prompts["measure", c], c, engine_bench.NEW_TOKENS))
     if router_pid:
         tokens = result["tok_s"] * result["seconds"]
-        result["router_cpu_s_per_1k_tokens"] = (process_cpu_seconds(router_pid) - cpu) / tokens * 1000 if tokens else None
+        cpu_s = process_cpu_seconds(router_pid) - cpu
+        result["router_cpu_s_per_1k_tokens"] = cpu_s / tokens * 1000 if tokens else None
     return result
 
 
@@ -280,7 +281,7 @@ def versions() -> dict:
             out["peers_vllm_version"], out["peers_vllm_torch"] = probe.stdout.split()
     if LLAMA_SERVER.exists():
         probe = subprocess.run([str(LLAMA_SERVER), "--version"], capture_output=True, text=True)
-        line = next((l for l in (probe.stdout + probe.stderr).splitlines() if l.startswith("version")), "")
+        line = next((ln for ln in (probe.stdout + probe.stderr).splitlines() if ln.startswith("version")), "")
         sources = sorted(p.name for p in (PEERS / "src").glob("llama_cpp_python-*") if p.is_dir())
         out["peers_llamacpp_version"] = f"{line.removeprefix('version:').strip()} from {', '.join(sources)}"
     return out

@@ -24,6 +24,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 
 import torch
 from torch.nn import functional as F
@@ -72,6 +73,11 @@ def _int4(qk, k, n, device, gen):
     return q, scales, -8 * scales, group, qk.pack_quantized(q, scales, -8 * scales, group, 4)
 
 
+def _dequant_linear(x, q, scales, offsets, group):
+    """QuantLinear's "dequant" path: dequantize the whole weight with torch ops, then F.linear."""
+    return F.linear(x, q.to(x.dtype) * scales[:, group] + offsets[:, group])
+
+
 def main() -> None:
     import triton
 
@@ -94,16 +100,16 @@ def main() -> None:
         for m in ROWS:
             x = torch.randn(m, k, device=device, generator=gen, dtype=torch.bfloat16)
             cases = {
-                "bf16": lambda: F.linear(x, w),
-                "int4_g128": lambda: qk.quant_matmul(x, int4),
-                "int8": lambda: qk.quant_matmul(x, int8),
-                "dequant": lambda: F.linear(x, q4.to(x.dtype) * s4b[:, group] + o4b[:, group]),
+                "bf16": partial(F.linear, x, w),
+                "int4_g128": partial(qk.quant_matmul, x, int4),
+                "int8": partial(qk.quant_matmul, x, int8),
+                "dequant": partial(_dequant_linear, x, q4, s4b, o4b, group),
             }
             splits = qk.default_split_k(m, n, k, qk.tile_config(m, 128), device)
             if m > qk.FUSED_MAX_M:
-                cases["int4_fused"] = lambda: qk.quant_matmul(x, int4, fused=True)
+                cases["int4_fused"] = partial(qk.quant_matmul, x, int4, fused=True)
             elif splits > 1:
-                cases["int4_s1"] = lambda: qk.quant_matmul(x, int4, split_k=1)
+                cases["int4_s1"] = partial(qk.quant_matmul, x, int4, split_k=1)
             row = {"K": k, "N": n, "M": m, "fused": m <= qk.FUSED_MAX_M, "split_k": splits}
             for name, fn in cases.items():
                 row[f"{name}_us"] = timer(fn)
@@ -129,7 +135,7 @@ def sweep() -> None:
                 config = qk.TileConfig(*c)
                 splits = qk.default_split_k(m, n, k, config, device)
                 for split in sorted({1, splits}):
-                    us = timer(lambda: qk.quant_matmul(x, int4, split_k=split, config=config))
+                    us = timer(partial(qk.quant_matmul, x, int4, split_k=split, config=config))
                     results.append({"K": k, "N": n, "M": m, "config": c, "split_k": split, "us": us})
     print(json.dumps({"sweep": results}))
 
