@@ -9,8 +9,9 @@ Backends, all with the same two functions (`paged_decode`, `varlen_prefill`):
 
 The default is the one place that picks: flash_attn on CUDA when it imports,
 else triton on CUDA when it imports, else sdpa; on CPU cpu where our C++
-kernels build, else sdpa (triton's interpreter is for tests). The choice of a forced backend (env TGI_ATTENTION_BACKEND, flag
---attention-backend) is read by the caller and passed in, not read here.
+kernels build, else sdpa (triton's interpreter is for tests). The choice of a
+forced backend (env TGI_ATTENTION_BACKEND, flag --attention-backend) is read
+by the caller and passed in, not read here.
 """
 
 from __future__ import annotations
@@ -128,9 +129,10 @@ def varlen_prefill(
     """Causal attention of a packed batch of chunks, each after an optional cached prefix.
 
     query [T, H, D]; key/value [T, KVH, D] for the chunk tokens, which are also already
-    in the cache (a float8 cache's values read as they are). Query token i of sequence b sits at position p = prefix_lens[b] + i
-    and sees keys j with p - sliding_window < j <= p; keys j < prefix_lens[b] are read
-    from the cache. softcap as in paged_decode. Returns out [T, H, D] in query's dtype.
+    in the cache (a float8 cache's values read as they are). Query token i of sequence b
+    sits at position p = prefix_lens[b] + i and sees keys j with p - sliding_window < j <= p;
+    keys j < prefix_lens[b] are read from the cache. softcap as in paged_decode.
+    Returns out [T, H, D] in query's dtype.
     """
     impl = _backend(query.device, backend)
     return impl.varlen_prefill(query, key, value, k_cache, v_cache, meta, scale, sliding_window, softcap)

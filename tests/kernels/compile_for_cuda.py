@@ -69,7 +69,7 @@ def cases():
                     dict(N=2048, BLOCK_N=2048, ADD=add))
             for gelu in (False, True):
                 yield f"gated_act(gelu={gelu})", norm_act_kernel._gated_act_kernel, (
-                    dict(gate_up=p, out=p), dict(stride_g=i32, stride_o=i32), dict(I=5632, BLOCK=1024, GELU=gelu))
+                    dict(gate_up=p, out=p), dict(stride_g=i32, stride_o=i32), dict(INTER=5632, BLOCK=1024, GELU=gelu))
             yield "merge_splits", paged_decode_kernel._merge_splits_kernel, (
                 dict(part_out="*fp32", part_ml="*fp32", out=p), dict(stride_ob=i32, stride_oh=i32, num_splits=i32),
                 dict(HEADS=4 * group, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_S=8))

@@ -37,13 +37,13 @@ def _rms_norm_kernel(x, residual, weight, out, stride_x, stride_r, stride_o, eps
 
 
 @triton.jit
-def _gated_act_kernel(gate_up, out, stride_g, stride_o, I: tl.constexpr, BLOCK: tl.constexpr, GELU: tl.constexpr):
-    # Program (row, column block): act(gate) * up of gate_up's row [gate (I) | up (I)].
+def _gated_act_kernel(gate_up, out, stride_g, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr, GELU: tl.constexpr):
+    # Program (row, column block): act(gate) * up of gate_up's row [gate (INTER) | up (INTER)].
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = col < I
+    ok = col < INTER
     g = tl.load(gate_up + row * stride_g + col, mask=ok, other=0.0)
-    u = tl.load(gate_up + row * stride_g + I + col, mask=ok, other=0.0)
+    u = tl.load(gate_up + row * stride_g + INTER + col, mask=ok, other=0.0)
     gf = g.to(tl.float32)
     if GELU:  # the tanh approximation, with tanh(z) = 2 sigmoid(2z) - 1
         z = 0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)
@@ -83,6 +83,6 @@ def gated_act(gate_up: torch.Tensor, act: str) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(inter))
     _gated_act_kernel[(tokens, triton.cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), I=inter, BLOCK=block, GELU=act == "gelu_tanh",
+        gate_up, out, gate_up.stride(0), out.stride(0), INTER=inter, BLOCK=block, GELU=act == "gelu_tanh",
         num_warps=4)
     return out

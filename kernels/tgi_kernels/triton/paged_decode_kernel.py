@@ -60,7 +60,7 @@ def _decode_kernel(
         lo = tl.maximum(lo, seq_len - window)
 
     m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    l = tl.zeros([BLOCK_G], dtype=tl.float32)
+    row_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)  # [BN] absolute key positions
@@ -72,10 +72,10 @@ def _decode_kernel(
         k = tl.load(k_cache + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)  # [BN, BD]
         v = tl.load(v_cache + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         visible = g_mask[:, None] & n_mask[None, :]  # [BG, BN]
-        m, l, acc = attend_tile(q, k, v, visible, m, l, acc, PRECISION)
+        m, row_sum, acc = attend_tile(q, k, v, visible, m, row_sum, acc, PRECISION)
 
     if not SPLIT:
-        res = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        res = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
         tl.store(out + b * stride_ob + head[:, None] * stride_oh + d[None, :],
                  res.to(out.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     else:
@@ -83,7 +83,7 @@ def _decode_kernel(
         row_h = (b * KV_HEADS * GROUP + head) * num_splits + split  # [BG]
         tl.store(part_out + row_h[:, None] * BLOCK_D + d[None, :], acc, mask=g_mask[:, None])
         tl.store(part_ml + row_h * 2, m, mask=g_mask)
-        tl.store(part_ml + row_h * 2 + 1, l, mask=g_mask)
+        tl.store(part_ml + row_h * 2 + 1, row_sum, mask=g_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -97,24 +97,24 @@ def _merge_splits_kernel(
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)  # [BD]
     m_run = tl.max(tl.full([BLOCK_S], float("-inf"), dtype=tl.float32), axis=0)  # a float32 scalar
-    l_run = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), axis=0)
+    sum_run = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), axis=0)
     acc_run = tl.zeros([BLOCK_D], dtype=tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)  # [BS]
         s_mask = s < num_splits
         row = (b * HEADS + h) * num_splits + s  # [BS]
         m = tl.load(part_ml + row * 2, mask=s_mask, other=float("-inf"))
-        l = tl.load(part_ml + row * 2 + 1, mask=s_mask, other=0.0)
+        split_sum = tl.load(part_ml + row * 2 + 1, mask=s_mask, other=0.0)
         acc = tl.load(part_out + row[:, None] * BLOCK_D + d[None, :], mask=s_mask[:, None], other=0.0)
         m_new = tl.maximum(m_run, tl.max(m, axis=0))
         # Splits that saw no key (past the end, or before a sliding window) have m = -inf: weight 0.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_run - m_safe)
         w = tl.math.exp2(m - m_safe)  # [BS]
-        l_run = l_run * alpha + tl.sum(l * w, axis=0)
+        sum_run = sum_run * alpha + tl.sum(split_sum * w, axis=0)
         acc_run = acc_run * alpha + tl.sum(acc * w[:, None], axis=0)  # [BD]
         m_run = m_new
-    res = acc_run / l_run
+    res = acc_run / sum_run
     tl.store(out + b * stride_ob + h * stride_oh + d, res.to(out.dtype.element_ty), mask=d < HEAD_DIM)
 
 

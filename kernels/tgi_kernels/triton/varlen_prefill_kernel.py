@@ -55,7 +55,7 @@ def _prefill_kernel(
         # (one int32 expression: a compiled kernel needs one type for lo on both sides of an if)
         lo = tl.where(window > 0, tl.maximum(prefix + tile * TILE_TOKENS - window + 1, 0), 0)
         m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l = tl.zeros([BLOCK_M], dtype=tl.float32)
+        row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
         # 1) the cached prefix, positions [lo, prefix), through the block table
@@ -70,7 +70,7 @@ def _prefill_kernel(
             visible = i_mask[:, None] & n_mask[None, :]  # [BM, BN]; prefix keys precede every query
             if window > 0:
                 visible = visible & (n[None, :] > q_pos[:, None] - window)
-            m, l, acc = attend_tile(q, k, v, visible, m, l, acc, PRECISION)
+            m, row_sum, acc = attend_tile(q, k, v, visible, m, row_sum, acc, PRECISION)
 
         # 2) the chunk itself, positions [max(lo, prefix), hi), from the packed key/value
         for start in range(tl.maximum(lo, prefix), hi, BLOCK_N):
@@ -85,9 +85,9 @@ def _prefill_kernel(
             visible = i_mask[:, None] & n_mask[None, :] & (n[None, :] <= q_pos[:, None])
             if window > 0:
                 visible = visible & (n[None, :] > q_pos[:, None] - window)
-            m, l, acc = attend_tile(q, k, v, visible, m, l, acc, PRECISION)
+            m, row_sum, acc = attend_tile(q, k, v, visible, m, row_sum, acc, PRECISION)
 
-        res = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+        res = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
         tl.store(out + (q_start + i)[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
                  res.to(out.dtype.element_ty), mask=i_mask[:, None] & d_mask[None, :])
 
