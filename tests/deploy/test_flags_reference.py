@@ -52,7 +52,7 @@ def shard_options() -> set[str]:
 
     found, parsers = set(), [build_parser()]
     while parsers:
-        for action in (parser := parsers.pop())._actions:
+        for action in parsers.pop()._actions:
             found |= set(action.option_strings)
             parsers.extend(getattr(action, "choices", None).values()
                            if isinstance(action, argparse._SubParsersAction) else ())

@@ -174,7 +174,7 @@ def test_duration_histograms_use_tgis_35_geometric_buckets(metrics):
     assert len(expected) == 35
     assert expected[0] == pytest.approx(0.00015)
     assert expected[-1] == pytest.approx(0.0001 * 1.5 ** 35)
-    for name, kind in (TGI_TYPES | EXTRA_TYPES).items():
+    for name in TGI_TYPES | EXTRA_TYPES:
         if name.endswith("_duration"):
             bounds = les(text, name)
             assert bounds[-1] == "+Inf", name

@@ -75,7 +75,8 @@ def test_flags_and_adapter_pass_through():
     assert (v.adapter_id, v.adapter) == ("a", 2) and v.parameters.watermark and v.top_n_tokens == 5
     assert v.stopping.stop_sequences == ("x", "y")
     for base in (None, "", "org/base"):  # no adapter, or the base model's own id
-        assert (run(limits=limits, adapter_id=base).adapter_id, run(limits=limits, adapter_id=base).adapter) == (None, 0)
+        got = run(limits=limits, adapter_id=base)
+        assert (got.adapter_id, got.adapter) == (None, 0)
 
 
 @pytest.mark.parametrize("adapters,listed", [(("x", "a"), "x, a"), ((), "none (--lora-adapters)")])

@@ -196,7 +196,8 @@ _FLAGS = (
     _Flag("tokenizer_config_path", str, "tokenizer_config.json to use (e.g. for its chat_template)"),
     _Flag("graceful_termination_timeout", _count, "seconds to drain requests on SIGTERM (default: 90)"),
     _Flag("disable_grammar_support", None, "refuse grammars, response_format schemas and tools (422)"),
-    _Flag("flash_attention", None, "require flash-style attention (flash-attn on CUDA; our C++ kernels or SDPA on CPU)"),
+    _Flag("flash_attention", None,
+          "require flash-style attention (flash-attn on CUDA; our C++ kernels or SDPA on CPU)"),
     _Flag("rope_scaling", _choice(ROPE_SCALINGS), "RoPE scaling replacing the checkpoint's: linear, dynamic "
           "or yarn (ours), with --rope-factor (default 1.0); the model's length grows by the factor"),
     _Flag("rope_factor", _float, "RoPE scaling factor; alone it means linear scaling"),

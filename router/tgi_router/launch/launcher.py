@@ -151,7 +151,10 @@ def flash_attention_problem(info: Any) -> str | None:
     device, backend = str(info.device), str(info.attention_backend)
     if backend == "flash_attn" or (device == "cpu" and backend in ("cpu", "sdpa")):
         return None
-    wanted = "our C++ kernels or torch's fused SDPA" if device == "cpu" else "flash-attn (is the flash_attn package installed?)"
+    if device == "cpu":
+        wanted = "our C++ kernels or torch's fused SDPA"
+    else:
+        wanted = "flash-attn (is the flash_attn package installed?)"
     return (f"--flash-attention: the shards run the {backend!r} attention backend on {device}, "
             f"not a flash-style one; {device} needs {wanted}")
 

@@ -73,7 +73,8 @@ class ReasoningStream:
             end = self._buffer.find(END)
             if end < 0:
                 keep = _held(self._buffer, END)
-                sendable, self._buffer = self._buffer[:len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+                cut = len(self._buffer) - keep
+                sendable, self._buffer = self._buffer[:cut], self._buffer[cut:]
                 return [("reasoning", sendable)] if sendable else []
             if end:
                 parts.append(("reasoning", self._buffer[:end]))

@@ -61,9 +61,9 @@ def stream_token_event(event: StreamEvent, index: int) -> bytes | None:
     if event.result is not None or event.top_tokens:
         return None
     t = event.token
+    logprob = t.logprob if math.isfinite(t.logprob) else None
     return b"data:" + compact_json({
-        "index": index, "token": {"id": t.id, "text": t.text, "logprob": t.logprob if math.isfinite(t.logprob) else None,
-                                  "special": t.special},
+        "index": index, "token": {"id": t.id, "text": t.text, "logprob": logprob, "special": t.special},
         "generated_text": None, "details": None}) + b"\n\n"
 
 
