@@ -95,7 +95,8 @@ class AdapterSet:
     def set_segments(self, segments: list[tuple[int, int, int]]) -> None:
         """The step's (adapter index > 0, first row, end row) runs."""
         self.batch.segments = segments
-        self.batch.short = torch.tensor([r for r in segments if r[2] - r[1] < GEMM_ROWS], dtype=torch.int64).reshape(-1, 3)
+        short = [r for r in segments if r[2] - r[1] < GEMM_ROWS]
+        self.batch.short = torch.tensor(short, dtype=torch.int64).reshape(-1, 3)
         self.batch.long = [r for r in segments if r[2] - r[1] >= GEMM_ROWS]
 
 

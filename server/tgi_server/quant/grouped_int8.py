@@ -79,9 +79,10 @@ class GroupedInt8(nn.Module):
         multiple of 32 columns, several a row (GGUF's Q8_0, GPTQ's 8 bits);
         else None. One group a row is EETQ's, which keeps torch's kernel and
         its 16-bit activations, as TGI's EETQ does."""
-        (n, k), g = m.shape, m.scales.shape[1]
+        k, g = m.shape[1], m.scales.shape[1]
         if (m.bits != 8 or g == 1 or k % g or (k // g) % 32 or not cls.serves(dtype, device)
-                or not torch.equal(m.group, torch.arange(k) // (k // g)) or not torch.equal(m.offsets, -128 * m.scales)):
+                or not torch.equal(m.group, torch.arange(k) // (k // g))
+                or not torch.equal(m.offsets, -128 * m.scales)):
             return None
         return cls((m.q.to(torch.int16) - 128).to(torch.int8), m.scales)
 

@@ -16,7 +16,6 @@ AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """int32 words -> uint8 values, `32 // bits` per word, spread along `dim`
     (0 or 1) in slot order: [A, B] -> [A * per, B] or [A, B * per]."""
-    per = 32 // bits
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)  # [per]
     if dim == 0:
         values = (packed[:, None, :] >> shifts[None, :, None]) & (2 ** bits - 1)  # [A, per, B]

@@ -64,9 +64,10 @@ INT4_GROUP_SIZES = (256, 128, 64, 32)
 LANES, LANE_GROUP = 16, 32
 # Rows up to which our GEMV beats dequantizing into tiles / a dense GEMM, by path: the GEMV
 # reads a quarter of the dense bytes, but past a few rows arithmetic, not reading, sets the
-# time. "amx": bf16 with AMX, whose tiles win from a few rows. "bf16_gemm_int8x": bf16 with AVX512-BF16, the int8-activation GEMV
-# (AVX512-VNNI) against blocks dequantized into the bf16 GEMM's tiles: vpdpbusd does twice
-# vdpbf16ps's products an instruction, so the GEMV takes every step up to a 4096-token prefill.
+# time. "amx": bf16 with AMX, whose tiles win from a few rows. "bf16_gemm_int8x": bf16 with
+# AVX512-BF16, the int8-activation GEMV (AVX512-VNNI) against blocks dequantized into the bf16
+# GEMM's tiles: vpdpbusd does twice vdpbf16ps's products an instruction, so the GEMV takes
+# every step up to a 4096-token prefill.
 # "bf16_gemm": the same CPU without AVX512-VBMI (Cooper Lake), whose GEMV is the float one.
 # "int8x": a float32 layer's int8-activation GEMV (AVX2 vpmaddubsw), which keeps up with the
 # dequantized GEMM far longer than the float GEMV. By dtype, the float GEMV: float32's limit is
@@ -199,7 +200,8 @@ class QuantLinear(nn.Module):
         scales = m.scales.repeat_interleave(run // size, dim=1)
         zeros = m.offsets.repeat_interleave(run // size, dim=1) + 8 * scales
         self.packed = _frozen(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))  # [N, K / 2] uint8
-        self.scale_zeros = _frozen(torch.stack([scales, zeros], -1).transpose(0, 1).contiguous().to(kernel_dtype))  # [K/size, N, 2]
+        scale_zeros = torch.stack([scales, zeros], -1).transpose(0, 1)  # [K/size, N, 2]
+        self.scale_zeros = _frozen(scale_zeros.contiguous().to(kernel_dtype))
         self.group_size = size
         self.unpack_block = next((b for b in UNPACK_BLOCKS if self.out_features % b == 0 and torch.equal(
             unpack_int4pack(self.packed, *q.shape, b), q.to(torch.uint8))), None)

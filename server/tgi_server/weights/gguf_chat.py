@@ -25,8 +25,9 @@ GEMMA_TEMPLATE = """{{- bos_token -}}
 {{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') -}}
 {%- endif -%}
 {%- set content = message['content'] -%}
+{%- set text = content if content is string else content | map(attribute='text') | join('') -%}
 {{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' -}}
-{{- (prefix if loop.first else '') + (content if content is string else content | map(attribute='text') | join('')) | trim -}}
+{{- (prefix if loop.first else '') + text | trim -}}
 {{- '<end_of_turn>\\n' -}}
 {%- endfor -%}
 {%- if add_generation_prompt -%}

@@ -79,7 +79,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
             block[:, i:inner_stop].addr_(err, hinv[col, start + i:start + inner_stop], alpha=-1)
             if i + 1 == inner_stop and inner_stop < stop - start:
                 lo = inner_stop - inner_cols
-                block[:, inner_stop:] -= errors[:, lo:inner_stop] @ hinv[start + lo:start + inner_stop, start + inner_stop:stop]
+                later = hinv[start + lo:start + inner_stop, start + inner_stop:stop]
+                block[:, inner_stop:] -= errors[:, lo:inner_stop] @ later
         w[:, stop:] -= errors @ hinv[start:stop, stop:]
 
     inverse = torch.argsort(perm)

@@ -47,7 +47,7 @@ def quantize_model(model_id: str | None, out: Path, method: str, bits: int = 4, 
         if method == "awq":  # scales from the float layer's inputs, folded in before any rounding
             _awq_rescale(layer, sample_inputs(layer, chunks, list(INPUT_GROUPS), 1024, seed + i), group_size)
 
-        def round_group(caught: str, h: torch.Tensor) -> None:
+        def round_group(caught: str, h: torch.Tensor, *, layer=layer, prefix=prefix) -> None:
             # h [K, K]: inputs through this layer's linears already quantized (true-sequential).
             linears = [submodule(layer, name) for name in INPUT_GROUPS[caught]]
             # GPTQ treats rows independently given H: linears sharing inputs go through it together.
