@@ -36,7 +36,8 @@ def test_missing_path_is_one_line_error(tmp_path):
 def test_unsupported_architecture_names_supported_ones(tmp_path):
     import transformers
 
-    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2)).save_pretrained(tmp_path / "g")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "g")
     assert_one_line_error(serve(str(tmp_path / "g"), "--uds-path", str(tmp_path / "s")),
                           "gpt2", "llama, mistral, qwen2")
 

@@ -27,7 +27,8 @@ def random_weight(n: int = 48, k: int = 128, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
 
 
-def run(matrix: QuantizedMatrix, dtype=torch.float32, t: int = 5, bias=None) -> tuple[QuantLinear, torch.Tensor, torch.Tensor]:
+def run(matrix: QuantizedMatrix, dtype=torch.float32, t: int = 5,
+        bias=None) -> tuple[QuantLinear, torch.Tensor, torch.Tensor]:
     """(layer, its output, the dequantized reference) on random x [t, K]."""
     layer = QuantLinear(matrix, bias, dtype, CPU)
     x = torch.randn(t, matrix.shape[1], generator=torch.Generator().manual_seed(1)).to(dtype)

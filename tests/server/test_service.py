@@ -89,7 +89,7 @@ def test_a_step_sent_ahead_waits_for_the_step_it_follows(shard):
     call(shard.socket, lambda c: c.warmup(128, 8))
     first = pb.StepRequest(step_id=10, new_sequences=[new_seq(3, [1, 5, 9, 13], [0, 1])])
     second = pb.StepRequest(step_id=11, after_step_id=10, running=[pb.RunningSequence(id=3, num_scheduled_tokens=1)])
-    in_order = [call(shard.socket, lambda c: c.step(r)) for r in (first, second)]
+    in_order = [call(shard.socket, lambda c: c.step(first)), call(shard.socket, lambda c: c.step(second))]
     call(shard.socket, lambda c: c.release([3]))
 
     async def reversed_(client):

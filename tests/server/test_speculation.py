@@ -158,7 +158,8 @@ def test_row_contexts_and_acceptance():
     seq = ShardSequence(id=1, token_ids=[1, 2, 3, 8, 9], prompt_length=2, num_computed=2, block_table=[0],
                         params=SamplingParams(), prefill_logprobs=False, scheduled=3, drafted=2)
     owners, depths, contexts = row_contexts([seq])
-    assert owners == [0, 0, 0] and depths == [0, 1, 2] and [list(c) for c in contexts] == [[1, 2, 3], [1, 2, 3, 8], [1, 2, 3, 8, 9]]
+    assert owners == [0, 0, 0] and depths == [0, 1, 2]
+    assert [list(c) for c in contexts] == [[1, 2, 3], [1, 2, 3, 8], [1, 2, 3, 8, 9]]
     assert contexts[1][-1] == 8 and contexts[1][2:] == [3, 8] and len(contexts[0]) == 3
     assert accepted(seq, [8, 9, 4]) == 3 and accepted(seq, [8, 5, 4]) == 2 and accepted(seq, [7, 9, 4]) == 1
     view = TokensUpTo([4, 5, 6], 2)
