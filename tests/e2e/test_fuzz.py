@@ -63,9 +63,9 @@ def test_schemathesis_finds_no_5xx_and_every_rejection_has_tgis_shape(server):
                 start = time.monotonic()
                 r = case.call(base_url=server, timeout=60)
                 if r.status_code >= 500 or time.monotonic() - start > 30:
-                    problems.append((op.label, r.status_code, r.text[:200]))
+                    problems.append((case.operation.label, r.status_code, r.text[:200]))
                 elif r.status_code >= 400 and set(r.json()) != {"error", "error_type"}:
-                    problems.append((op.label, r.status_code, r.text[:200]))
+                    problems.append((case.operation.label, r.status_code, r.text[:200]))
             call()
     assert calls >= len(operations) * FUZZ_EXAMPLES and not problems, problems
 

@@ -59,8 +59,8 @@ def test_greedy_chat_matches_transformers(gemma3, tmp_path, fast_gguf_reader):
     expected = []
     for ids in prompts:
         out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[tokenizer.eos_token_id, end_of_turn],
-                          pad_token_id=0)[0, len(ids):].tolist()
+                          max_new_tokens=NEW_TOKENS, do_sample=False,
+                          eos_token_id=[tokenizer.eos_token_id, end_of_turn], pad_token_id=0)[0, len(ids):].tolist()
         ended = out[-1] in (tokenizer.eos_token_id, end_of_turn)
         expected.append((tokenizer.decode(out[:-1] if ended else out), "stop" if ended else "length", len(ids)))
     del hf

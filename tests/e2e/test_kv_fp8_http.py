@@ -16,7 +16,7 @@ BUDGET = str(5 * 8192)
 def _served(path, tmp_path, *flags) -> tuple[int, list[int], str]:
     """(max_total_tokens, greedy token ids of one prompt, the launcher's log)."""
     proc, url = launch(str(path), tmp_path, "--dtype", "float32", "--kv-cache-bytes", BUDGET,
-                       "--max-batch-prefill-tokens", "64", default_limits=False, *flags)
+                       "--max-batch-prefill-tokens", "64", *flags, default_limits=False)
     try:
         total = httpx.get(url + "/info", timeout=10).json()["max_total_tokens"]
         body = {"inputs": "the quick brown fox", "parameters": {"max_new_tokens": 24, "details": True}}

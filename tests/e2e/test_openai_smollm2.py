@@ -16,7 +16,7 @@ from .router_harness import launch
 
 pytestmark = pytest.mark.slow
 
-S, I, N, B = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+STR, INT, NUM, BOOL = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
 
 
 def obj(required: list[str] | None = None, **properties) -> dict:
@@ -25,35 +25,38 @@ def obj(required: list[str] | None = None, **properties) -> dict:
 
 # (prompt, schema): nested objects, arrays, enums, numbers, required fields.
 SCHEMAS = [
-    ("Describe a person.", obj(name=S, age=I)),
-    ("Describe a book.", obj(title=S, author=S, year=I, pages=I)),
-    ("Describe a city.", obj(name=S, country=S, population=I, capital=B)),
-    ("Give a product with a price.", obj(name=S, price=N, in_stock=B)),
+    ("Describe a person.", obj(name=STR, age=INT)),
+    ("Describe a book.", obj(title=STR, author=STR, year=INT, pages=INT)),
+    ("Describe a city.", obj(name=STR, country=STR, population=INT, capital=BOOL)),
+    ("Give a product with a price.", obj(name=STR, price=NUM, in_stock=BOOL)),
     ("What color is the sky?", obj(color={"enum": ["blue", "grey", "black", "orange"]})),
-    ("Rate the movie Titanic.", obj(movie=S, stars={"type": "integer", "minimum": 1, "maximum": 5})),
-    ("List three fruits.", obj(fruits={"type": "array", "items": S, "minItems": 3, "maxItems": 3})),
-    ("List some prime numbers.", obj(primes={"type": "array", "items": I, "minItems": 1, "maxItems": 6})),
-    ("Describe a student and her grades.", obj(name=S, grades={"type": "array", "items": N, "maxItems": 5})),
-    ("Describe a company and its address.", obj(name=S, address=obj(street=S, city=S, zip=S))),
-    ("Describe a car.", obj(brand=S, model=S, engine=obj(cylinders=I, fuel={"enum": ["petrol", "diesel", "electric"]}))),
-    ("Give a weather report.", obj(city=S, temperature=N, unit={"enum": ["C", "F"]}, rainy=B)),
-    ("Describe a pet.", obj(["name", "species"], name=S, species={"enum": ["cat", "dog", "bird"]}, age=I)),
-    ("Give a recipe.", obj(title=S, ingredients={"type": "array", "maxItems": 4, "items": obj(item=S, grams=I)})),
-    ("Describe a team of two people.", obj(team=S, members={"type": "array", "minItems": 2, "maxItems": 2,
-                                                            "items": obj(name=S, role=S)})),
-    ("Answer yes or no: is water wet?", obj(answer={"enum": ["yes", "no"]}, confidence=N)),
-    ("Describe an event with a date.", obj(name=S, date={"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"})),
-    ("Give a point in 3D space.", obj(x=N, y=N, z=N)),
-    ("Describe a planet.", obj(name=S, moons=I, rings=B, atmosphere={"type": "array", "items": S, "maxItems": 3})),
+    ("Rate the movie Titanic.", obj(movie=STR, stars={"type": "integer", "minimum": 1, "maximum": 5})),
+    ("List three fruits.", obj(fruits={"type": "array", "items": STR, "minItems": 3, "maxItems": 3})),
+    ("List some prime numbers.", obj(primes={"type": "array", "items": INT, "minItems": 1, "maxItems": 6})),
+    ("Describe a student and her grades.", obj(name=STR, grades={"type": "array", "items": NUM, "maxItems": 5})),
+    ("Describe a company and its address.", obj(name=STR, address=obj(street=STR, city=STR, zip=STR))),
+    ("Describe a car.", obj(brand=STR, model=STR,
+                            engine=obj(cylinders=INT, fuel={"enum": ["petrol", "diesel", "electric"]}))),
+    ("Give a weather report.", obj(city=STR, temperature=NUM, unit={"enum": ["C", "F"]}, rainy=BOOL)),
+    ("Describe a pet.", obj(["name", "species"], name=STR, species={"enum": ["cat", "dog", "bird"]}, age=INT)),
+    ("Give a recipe.", obj(title=STR, ingredients={"type": "array", "maxItems": 4, "items": obj(item=STR, grams=INT)})),
+    ("Describe a team of two people.", obj(team=STR, members={"type": "array", "minItems": 2, "maxItems": 2,
+                                                              "items": obj(name=STR, role=STR)})),
+    ("Answer yes or no: is water wet?", obj(answer={"enum": ["yes", "no"]}, confidence=NUM)),
+    ("Describe an event with a date.",
+     obj(name=STR, date={"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"})),
+    ("Give a point in 3D space.", obj(x=NUM, y=NUM, z=NUM)),
+    ("Describe a planet.",
+     obj(name=STR, moons=INT, rings=BOOL, atmosphere={"type": "array", "items": STR, "maxItems": 3})),
     ("Describe a library with one shelf of books.", obj(
-        library=S, shelf=obj(label=S, books={"type": "array", "maxItems": 2, "items": obj(title=S, year=I)}))),
+        library=STR, shelf=obj(label=STR, books={"type": "array", "maxItems": 2, "items": obj(title=STR, year=INT)}))),
 ]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
-    "parameters": obj(city=S, unit={"type": "string", "enum": ["celsius", "fahrenheit"]})}}
+    "parameters": obj(city=STR, unit={"type": "string", "enum": ["celsius", "fahrenheit"]})}}
 FLIGHT = {"type": "function", "function": {
     "name": "book_flight", "description": "Book a flight between two cities",
-    "parameters": obj(origin=S, destination=S, passengers={"type": "integer", "minimum": 1, "maximum": 9})}}
+    "parameters": obj(origin=STR, destination=STR, passengers={"type": "integer", "minimum": 1, "maximum": 9})}}
 TOOLS = {"get_weather": WEATHER, "book_flight": FLIGHT}
 
 
