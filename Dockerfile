@@ -104,23 +104,28 @@ RUN mkdir -p /wheels
 FROM flash-attn-${DEVICE} AS flash-attn
 
 # ---------------------------------------------------------------- runtime
+# The dependency list, cut from pyproject.toml: the runtime stage copies this
+# file alone, so its install layer is reused until the list itself changes
+# (not on an edit of the test extra or the tools' settings).
+# torch is installed by its own stage; the CUDA image also takes the `cuda`
+# extra's other packages (triton, for the kernels).
+FROM python AS requirements
+ARG DEVICE
+COPY pyproject.toml /tmp/
+RUN python3 -c 'import tomllib; p = tomllib.load(open("/tmp/pyproject.toml", "rb"))["project"]; \
+print("\n".join(p["dependencies"])); \
+print("\n".join(d for d in p["optional-dependencies"]["cuda"] if not d.startswith("torch")))' \
+    > /tmp/requirements.txt \
+    && if [ "$DEVICE" = "cpu" ]; then sed -i '/^triton/d' /tmp/requirements.txt; fi
+
 FROM torch AS runtime
 ARG DEVICE
 WORKDIR /usr/src/tgi-py
 
-# The project's dependencies, from pyproject.toml alone: this layer is reused
-# until the dependencies change, whatever the source does.
-COPY pyproject.toml ./
-# torch is already installed; the CUDA image also takes the `cuda` extra's
-# other packages (triton, for the kernels).
+COPY --from=requirements /tmp/requirements.txt /tmp/requirements.txt
 RUN --mount=type=bind,from=build-ca,target=/tmp/build-ca \
     if [ -f /tmp/build-ca/ca.crt ]; then export PIP_CERT=/tmp/build-ca/ca.crt; fi; \
-    python3 -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
-print("\n".join(p["dependencies"])); \
-print("\n".join(d for d in p["optional-dependencies"]["cuda"] if not d.startswith("torch")))' \
-    > /tmp/requirements.txt \
-    && if [ "$DEVICE" = "cpu" ]; then sed -i '/^triton/d' /tmp/requirements.txt; fi \
-    && pip install -r /tmp/requirements.txt
+    pip install -r /tmp/requirements.txt
 
 COPY --from=flash-attn /wheels /tmp/wheels
 # flash-attn's own dependency (einops) comes with it; torch is already there.
@@ -129,6 +134,7 @@ RUN --mount=type=bind,from=build-ca,target=/tmp/build-ca \
     if ls /tmp/wheels/*.whl >/dev/null 2>&1; then pip install /tmp/wheels/*.whl; fi \
     && rm -rf /tmp/wheels
 
+COPY pyproject.toml ./
 COPY proto ./proto
 COPY router ./router
 COPY server ./server

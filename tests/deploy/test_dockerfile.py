@@ -152,7 +152,7 @@ def test_cuda_images_do_not_drift_from_each_other_or_from_the_cpu_base():
 
 def test_cpu_and_cuda_images_share_every_stage_but_their_base_and_flash_attn():
     shared = reachable_stages("cpu") & reachable_stages("cuda")
-    assert {"python", "torch", "runtime", "torch-wheels", "build-ca"} <= shared
+    assert {"python", "torch", "requirements", "runtime", "torch-wheels", "build-ca"} <= shared
     assert reachable_stages("cpu") - shared == {"base-cpu", "flash-attn-cpu"}
     assert reachable_stages("cuda") - shared == {"base-cuda", "flash-attn-cuda"}
     # torch is installed once, in the shared stage; flash-attn's build takes that venv.
@@ -184,12 +184,15 @@ def test_a_local_torch_wheel_and_build_certificates_are_mounted_never_copied():
 def test_layers_go_from_dependencies_to_source():
     runtime = stages()["runtime"][1]
     position = lambda test: next(i for i, c in enumerate(runtime) if test(c))  # noqa: E731
-    pyproject = position(lambda c: c.cmd == "COPY" and c.value[0] == "pyproject.toml")
+    requirements = position(lambda c: c.cmd == "COPY" and "--from=requirements" in c.flags)
     dependencies = position(lambda c: c.cmd == "RUN" and "-r /tmp/requirements.txt" in c.value[0])
     flash_attn = position(lambda c: c.cmd == "COPY" and "--from=flash-attn" in c.flags)
+    pyproject = position(lambda c: c.cmd == "COPY" and c.value[0] == "pyproject.toml")
     source = position(lambda c: c.cmd == "COPY" and c.value[0] in ("proto", "router", "server", "kernels"))
     project = position(lambda c: c.cmd == "RUN" and "pip install --no-deps ." in c.value[0])
-    assert pyproject < dependencies < flash_attn < source < project
+    assert requirements < dependencies < flash_attn < pyproject < source < project
+    # The dependencies' layer is keyed by the list cut from pyproject.toml, not by the whole file.
+    assert not [c for c in runtime[:dependencies] if c.cmd == "COPY" and not c.flags]
 
 
 def test_no_secret_is_baked_in():
