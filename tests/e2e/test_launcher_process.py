@@ -80,14 +80,23 @@ def test_killed_shard_fails_requests_turns_health_503_and_exits_nonzero(model, t
     assert not t.is_alive() and time.time() - killed < 5
     assert '"error_type"' in events[-1]
     assert httpx.get(url + "/health", timeout=5).status_code == 503
-    assert proc.wait(60) != 0
+    # Left alone, the launcher would answer 503 for SHARD_FAILURE_GRACE_S (10 s)
+    # and then exit 1 by itself (tests/router/test_launcher.py holds that wait).
+    # A SIGTERM ends the grace at once, and a launch whose shard died still
+    # exits 1, not the 0 of a clean drain.
+    stopped = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 1 and time.monotonic() - stopped < 5
 
 
 @pytest.mark.slow
 def test_default_model_answers_with_real_text(tmp_path):
     """SmolLM2 through the whole stack: launcher, router, shard (its large
     allocations on huge pages where the host has them)."""
-    proc, url = launch(None, tmp_path, "--num-threads", "2", "--kv-cache-bytes", "64MiB")
+    # Warmup prefills --max-batch-prefill-tokens (by default min(4096, the model's
+    # 8192 positions): seconds of SmolLM2 on two cores); the prompt is 16 tokens.
+    proc, url = launch(None, tmp_path, "--num-threads", "2", "--kv-cache-bytes", "64MiB", "--max-input-tokens", "64",
+                       "--max-total-tokens", "128", "--max-batch-prefill-tokens", "64", default_limits=False)
     try:
         prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
         r = httpx.post(url + "/generate", json={"inputs": prompt, "parameters": {
