@@ -16,6 +16,7 @@ import torch
 
 from tgi_server.weights.errors import CheckpointError
 from tgi_server.weights.gguf import GGUFFile, load_gguf, load_gguf_tokenizer
+from tgi_server.weights.gguf_reader import dequantize
 from tgi_server.weights.source import GGUFSource
 
 Q = gguf.GGMLQuantizationType
@@ -119,6 +120,22 @@ def test_llama_tensors_round_trip_with_q_k_unpermuted(tmp_path, qtype):
         assert got.shape == want.shape, name
         # Row permutation commutes with llama.cpp's row-wise block quantization.
         np.testing.assert_array_equal(got, quantized(want, qtype), err_msg=name)
+
+
+@pytest.mark.parametrize("qtype", sorted(gguf.quants._type_traits), ids=lambda q: q.name)
+def test_our_dequantize_is_gguf_pys_to_the_bit(qtype):
+    """Every block type gguf-py decodes, on random bytes (NaNs and infinities
+    included), [experts, rows, bytes] as stacked tensors are stored, over
+    chunks of one row, of a few blocks and of the whole: the loader's (and,
+    through the fast_gguf_reader fixture, transformers') values are gguf-py's."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    data = np.random.default_rng(int(qtype)).integers(0, 256, (2, 37, 3 * size), dtype=np.uint8)
+    with np.errstate(all="ignore"):
+        want = gguf.quants.dequantize(data, qtype)
+        for chunk in (1, 5 * block, 1 << 16):
+            got = dequantize(data, qtype, chunk)
+            assert got.shape == want.shape and got.dtype == want.dtype == np.float32
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_quantized_weights_stay_close_to_the_originals(tmp_path):

@@ -21,13 +21,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
 
 from .errors import CheckpointError
 from .gguf_chat import FALLBACKS
 from .gguf_config import ROPE_FACTORS, ROPE_FREQS, SUPPORTED_ARCHITECTURES, field, gguf_config
 from .gguf_names import Part, check_shapes, hf_parts
-from .gguf_reader import FastGGUFReader
+from .gguf_reader import FastGGUFReader, dequantize
 
 # model types whose q/k rows llama.cpp's converter permuted (LlamaModel.permute)
 _PERMUTED = ("llama", "mistral", "mixtral")
@@ -119,8 +118,16 @@ class GGUFFile:
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype) -> GGUFCheckpoint:
     """Read, dequantize and rename the whole GGUF file at `path`; CheckpointError if it cannot be served."""
     file = GGUFFile(path)
-    return GGUFCheckpoint(config=file.config,
-                          tensors={name: torch.tensor(file.tensor(name), dtype=dtype) for name in file.names})
+    return GGUFCheckpoint(config=file.config, tensors={name: _owned(file.tensor(name), dtype) for name in file.names})
+
+
+def _owned(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """`array` as a tensor of its own in `dtype`: a dequantized array (new,
+    writable) is taken over without a copy when `dtype` is float32; one that
+    views the read-only map (an F32 tensor as stored) is copied."""
+    if array.flags.writeable and array.flags.c_contiguous:
+        return torch.from_numpy(array).to(dtype)
+    return torch.tensor(array, dtype=dtype)
 
 
 def load_gguf_tokenizer(path: str | os.PathLike):

@@ -10,7 +10,12 @@ scalars in one view and arrays of strings in one pass over the bytes,
 building each element's parts as GGUFReader does (one [1] array per scalar;
 a [1] uint64 length and its uint8 bytes per string), so that code written
 against ReaderField (ours, transformers' GGUF loader) reads the same values.
-Arrays of arrays keep GGUFReader's own path."""
+Arrays of arrays keep GGUFReader's own path.
+
+`dequantize` is gguf-py's, the same values to the bit, over chunks of ~64k
+values instead of gguf-py's groups of 16 rows (a few hundred blocks each,
+so that its per-call numpy overhead is most of the time): half the time for
+SmolLM2's and Gemma 3's files (docs/tuning.md#gguf-reader)."""
 
 from __future__ import annotations
 
@@ -19,7 +24,12 @@ import sys
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import quants as gguf_quants
+
+# values dequantized a call: gguf-py's per-call overhead amortized, the
+# temporaries (a few arrays of the chunk's size) still in cache
+DEQUANTIZE_CHUNK = 1 << 16
 
 
 class FastGGUFReader(GGUFReader):
@@ -73,3 +83,21 @@ class FastGGUFReader(GGUFReader):
             parts.append(buf[offs + 8:end])
             offs = end
         return parts, offs - start
+
+
+def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, chunk: int = DEQUANTIZE_CHUNK) -> np.ndarray:
+    """gguf.quants.dequantize(data, qtype): float32 values, the stored rows'
+    shape with each row's bytes become its values; whole rows of about
+    `chunk` values a call to the type's own block decoder (the blocks are
+    independent, so the values are gguf-py's to the bit)."""
+    traits = gguf_quants._type_traits.get(qtype)
+    if traits is None:  # F32, F16 (views, casts) or a type gguf-py cannot read: its own path
+        return gguf_quants.dequantize(data, qtype)
+    traits.init_grid()
+    shape = gguf_quants.quant_shape_from_byte_shape(data.shape, qtype)
+    rows = data.reshape(-1, data.shape[-1])
+    out = np.empty((rows.shape[0], shape[-1]), dtype=np.float32)
+    step = max(1, chunk // max(1, shape[-1]))
+    for start in range(0, rows.shape[0], step):
+        out[start:start + step] = traits.dequantize_rows(rows[start:start + step])
+    return out.reshape(shape)
