@@ -3,6 +3,7 @@ process (`launch`), or in-process (`RunningServer`: a shard on a background
 loop and serve_router on another) where a test needs to reach inside."""
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import threading
@@ -11,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
+import torch
 
 from tgi_router.launch.config import RouterConfig
 from tgi_router.launch.server import serve_router
@@ -19,12 +21,16 @@ from ..shard_harness import InProcessShard, free_port
 
 
 class RunningServer:
-    """`url` serves the model at `model_path`; `shard` is the in-process shard."""
+    """`url` serves the model at `model_path`; `shard` is the in-process shard.
+    shard: one already serving (entered), for routers that follow each other
+    on one loaded model; it is left serving when this server stops."""
 
-    def __init__(self, tmp_path: Path, model_path: str, **config):
+    def __init__(self, tmp_path: Path, model_path: str, shard: InProcessShard | None = None, **config):
         tmp_path.mkdir(parents=True, exist_ok=True)
-        self.shard = InProcessShard(tmp_path, model_path, kv_cache_bytes=config.pop("kv_cache_bytes", 16 << 20),
-                                    speculative_model=config.get("speculative_model"))
+        self._own_shard = shard is None
+        self.shard = shard or InProcessShard(tmp_path, model_path,
+                                             kv_cache_bytes=config.pop("kv_cache_bytes", 16 << 20),
+                                             speculative_model=config.get("speculative_model"))
         port = free_port()
         self.config = replace(RouterConfig(), model_id=model_path, hostname="127.0.0.1", port=port,
                               shard_uds_path=self.shard.config.uds_path, **config)
@@ -39,7 +45,8 @@ class RunningServer:
         self.exit_code = self._loop.run_until_complete(serve_router(self.config, self.shard_failed, self.shutdown))
 
     def __enter__(self) -> "RunningServer":
-        self.shard.__enter__()
+        if self._own_shard:
+            self.shard.__enter__()
         self._thread.start()
         deadline = time.time() + 60
         while time.time() < deadline:
@@ -61,7 +68,26 @@ class RunningServer:
 
     def __exit__(self, *exc):
         self.stop()
-        self.shard.__exit__(*exc)
+        if self._own_shard:
+            self.shard.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's threads for the shards started inside: a thread picks the count
+    up at its first parallel op. For tiny models: an in-process shard runs
+    without a shard process's thread governor (tgi_server/thread_governor.py),
+    and beside busy cores its two OpenMP threads wait on each other in every
+    parallel region (two cores shared with other tests: a tiny model's decode
+    forward took 76 ms with two threads, 0.5 ms with one).
+    The count never changes a result (the kernels never split a summed
+    dimension over threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def launch(model: str | None, tmp_path, *flags, default_limits: bool = True) -> tuple[subprocess.Popen, str]:

@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from ..shard_harness import save_tiny_served_model
-from .router_harness import RunningServer
+from ..shard_harness import InProcessShard, save_tiny_served_model
+from .router_harness import RunningServer, torch_threads
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "n": {"type": "integer"}}, "required": ["name", "n"]}
@@ -76,18 +76,28 @@ def tiny(tmp_path_factory):
     return save_tiny_served_model(tmp / "tiny", seed=4), tmp
 
 
-def test_answers_equal_those_without_speculation(tiny):
+@pytest.fixture(scope="module")
+def baseline(tiny):
+    """(bodies, answers, bodies with stops, their answers) of the tiny model
+    without speculation: one server's, which every drafting server here
+    (n-gram, draft model, Medusa heads) must give."""
     path, tmp = tiny
     bodies = tiny_requests()
-    with RunningServer(tmp / "s0", str(path), max_total_tokens=256, max_input_tokens=200) as server:
-        baseline = answers(server.url, bodies)
-        stops = with_stops(bodies, baseline)
-        stopped = answers(server.url, stops)
+    with torch_threads(1), RunningServer(tmp / "s0", str(path), max_total_tokens=256,
+                                         max_input_tokens=200) as server:
+        answered = answers(server.url, bodies)
+        stops = with_stops(bodies, answered)
+        return bodies, answered, stops, answers(server.url, stops)
+
+
+def test_answers_equal_those_without_speculation(tiny, baseline):
+    path, tmp = tiny
+    bodies, baseline, stops, stopped = baseline
     assert len(stops) >= 16 and sum(a["finish"] == "stop_sequence" for a in stopped) >= 10
     assert all({"name", "n"} <= json.loads(a["text"]).keys() for a in baseline[-4:])
     for speculate in (1, 3, 6):
-        with RunningServer(tmp / f"s{speculate}", str(path), max_total_tokens=256, max_input_tokens=200,
-                           speculate=speculate) as server:
+        with torch_threads(1), RunningServer(tmp / f"s{speculate}", str(path), max_total_tokens=256,
+                                             max_input_tokens=200, speculate=speculate) as server:
             assert answers(server.url, bodies) == baseline, speculate
             assert answers(server.url, stops) == stopped, speculate
             assert metric(server.url, "tgi_speculative_draft_tokens") > 0
@@ -119,8 +129,9 @@ def test_the_default_model_copying_text_accepts_runs_and_stops_inside_them(tmp_p
     prompt = "Copy this text word for word:\n\n" + COPY
 
     def run(speculate: int):
-        with RunningServer(tmp_path / f"smol{speculate}", None, speculate=speculate, max_batch_prefill_tokens=256,
-                           max_input_tokens=200, max_total_tokens=256) as server:
+        # Drafting is the router's: both routers, one after the other, use one loaded shard.
+        with RunningServer(tmp_path / f"smol{speculate}", None, shard=shard, speculate=speculate,
+                           max_batch_prefill_tokens=128, max_input_tokens=120, max_total_tokens=180) as server:
             plain = chat(server.url, prompt)
             stopped = chat(server.url, prompt, stop=["narrow stairs"])
             events = stream_events(server.url, "Repeat: " + COPY + "\nAgain: " + COPY[:40])
@@ -128,8 +139,9 @@ def test_the_default_model_copying_text_accepts_runs_and_stops_inside_them(tmp_p
             skipped = metric(server.url, "tgi_request_skipped_tokens_sum")
         return plain, stopped, events, accepted, skipped
 
-    plain, stopped, events, _, _ = run(0)
-    plain4, stopped4, events4, accepted, skipped = run(4)
+    with InProcessShard(tmp_path, None, kv_cache_bytes=16 << 20) as shard:
+        plain, stopped, events, _, _ = run(0)
+        plain4, stopped4, events4, accepted, skipped = run(4)
     assert plain4 == plain and stopped4 == stopped and stopped4["finish_reason"] == "stop"
     assert stopped4["message"]["content"].endswith("narrow stairs")  # nothing kept past the stop
     assert accepted > 40 and skipped == accepted
@@ -139,21 +151,18 @@ def test_the_default_model_copying_text_accepts_runs_and_stops_inside_them(tmp_p
     assert len(events4) == events4[-1]["details"]["generated_tokens"]
 
 
-def test_a_draft_model_serves_the_targets_answers_and_its_blocks_come_back(tiny):
+def test_a_draft_model_serves_the_targets_answers_and_its_blocks_come_back(tiny, baseline):
     """--speculative-model: a tiny draft with the target's tokenizer; the
     answers are the target's at --speculate 1, 3 and 6 (stops included), and
     once they are done every KV block (the target's and the draft's share
     ids) is free again."""
     path, tmp = tiny
     draft = save_tiny_served_model(tmp / "draft", seed=9, num_hidden_layers=1)
-    bodies = tiny_requests()
-    with RunningServer(tmp / "d0", str(path), max_total_tokens=256, max_input_tokens=200) as server:
-        baseline = answers(server.url, bodies)
-        stops = with_stops(bodies, baseline)
-        stopped = answers(server.url, stops)
+    bodies, baseline, stops, stopped = baseline
     for speculate in (1, 3, 6):
-        with RunningServer(tmp / f"d{speculate}", str(path), max_total_tokens=256, max_input_tokens=200,
-                           speculate=speculate, speculative_model=str(draft)) as server:
+        with torch_threads(1), RunningServer(tmp / f"d{speculate}", str(path), max_total_tokens=256,
+                                             max_input_tokens=200, speculate=speculate,
+                                             speculative_model=str(draft)) as server:
             assert server.shard.runner.draft is not None
             assert answers(server.url, bodies) == baseline, speculate
             assert answers(server.url, stops) == stopped, speculate
@@ -162,7 +171,7 @@ def test_a_draft_model_serves_the_targets_answers_and_its_blocks_come_back(tiny)
             assert metric(server.url, "tgi_kv_cache_blocks_free") == metric(server.url, "tgi_kv_cache_blocks_capacity")
 
 
-def test_a_model_with_medusa_heads_drafts_with_them_unless_told_otherwise(tiny):
+def test_a_model_with_medusa_heads_drafts_with_them_unless_told_otherwise(tiny, baseline):
     """TGI's default: no --speculate and Medusa heads in the model directory
     means as many drafts as heads; --speculate 0 turns them off."""
     import shutil
@@ -170,13 +179,13 @@ def test_a_model_with_medusa_heads_drafts_with_them_unless_told_otherwise(tiny):
     from ..server.test_speculation import save_medusa
     path, tmp = tiny
     medusa = save_medusa(shutil.copytree(path, tmp / "medusa"), heads=2, copy_lm_head=True)
-    bodies = tiny_requests()[:8]
-    with RunningServer(tmp / "m0", str(path), max_total_tokens=256, max_input_tokens=200) as server:
-        baseline = answers(server.url, bodies)
-    with RunningServer(tmp / "m1", str(medusa), max_total_tokens=256, max_input_tokens=200) as server:
+    bodies, baseline = baseline[0][:8], baseline[1][:8]
+    with torch_threads(1), RunningServer(tmp / "m1", str(medusa), max_total_tokens=256,
+                                         max_input_tokens=200) as server:
         assert answers(server.url, bodies) == baseline
         assert metric(server.url, "tgi_speculative_draft_tokens") > 0
         assert metric(server.url, "tgi_kv_cache_blocks_used") == 0
-    with RunningServer(tmp / "m2", str(medusa), max_total_tokens=256, max_input_tokens=200, speculate=0) as server:
+    with torch_threads(1), RunningServer(tmp / "m2", str(medusa), max_total_tokens=256, max_input_tokens=200,
+                                         speculate=0) as server:
         assert answers(server.url, bodies) == baseline
         assert metric(server.url, "tgi_speculative_draft_tokens") == 0
