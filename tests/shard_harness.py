@@ -254,17 +254,20 @@ async def run_prompts(socket: str | list[str], prompts: list[list[int]], max_new
                       max_batch_tokens: int = 4096, arrivals: list[int] | None = None,
                       warmup_tokens: int = 256, stats: dict | None = None,
                       prefix_caching: bool = True, adapters: list[int] | None = None,
-                      speculation: SpeculationPolicy | None = None) -> list[Sequence]:
+                      speculation: SpeculationPolicy | None = None, warmup: bool = True) -> list[Sequence]:
     """Generates for every prompt in one continuous batch over gRPC, on one
     shard or on every rank of a group (`socket` a list, in rank order).
 
     arrivals[i] is the step at which prompt i joins (staggered arrivals).
     stats, when given, receives the preemptions and prefix-cache hit tokens.
     adapters[i]: the LoRA adapter of prompt i (0: the base model).
-    speculation: the scheduler's draft policy (None: no speculation)."""
+    speculation: the scheduler's draft policy (None: no speculation).
+    warmup False: the shards were warmed up by an earlier call, whose cache
+    this one reuses (its blocks from Info); a Warmup on the CPU compiles the
+    decode steps again (seconds for SmolLM2)."""
     client = ShardClient([socket] if isinstance(socket, str) else socket, timeout=120)
     try:
-        warm = await client.warmup(warmup_tokens, 64)
+        warm = await (client.warmup(warmup_tokens, 64) if warmup else client.info())
         scheduler = Scheduler(BlockManager(warm.num_blocks, warm.block_size, prefix_caching), max_batch_tokens,
                               speculation=speculation)
         engine = Engine(client, scheduler)
