@@ -1,19 +1,26 @@
 """--num-shard N through the real launcher: N shard processes joined by gloo
 give the same text over HTTP as one shard, and a rank that dies fails the
-requests in flight and turns /health to 503."""
+requests in flight, turns /health to 503 and makes rank 0 fail at once.
+(SmolLM2's GGUF over three ranks, greedy and seeded, is checked a layer down,
+in tests/server/test_tensor_parallel.py.)"""
 
+import asyncio
 import os
 import signal
 import subprocess
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 
+from tgi_proto.rpc import StatusCode
+from tgi_router.scheduling.client import ShardClient, ShardError
+from tgi_server.distributed import COLLECTIVE_TIMEOUT_S
+
 from ..shard_harness import save_tiny_served_model
-from .router_harness import free_port, launch
+from .router_harness import RunningServer, free_port, launch, torch_threads
 
 PROMPTS = ["Hello", "The weather today", "Once upon a time", "1, 2, 3,", "Paris is",
            "Write a poem", "def main():", "The quick brown fox"]
@@ -28,25 +35,11 @@ def generated(url: str, prompt: str, parameters: dict) -> str:
                       timeout=120).json()["generated_text"]
 
 
-def answers(model: str | None, tmp_path, num_shard: int, *flags: str,
-            concurrent: bool = False) -> tuple[list[str], list[str]]:
-    """(greedy texts, seeded sampled texts) of PROMPTS from a launch with
-    `num_shard` shards. concurrent: all 16 requests are sent at once and
-    share batches, whose make-up then varies with arrival order (only in
-    float64 is a text then independent of it); else one at a time."""
-    proc, url = launch(model, tmp_path / f"n{num_shard}", "--num-shard", str(num_shard),
-                       "--master-port", str(free_port()), *flags)
-    requests = [(p, GREEDY) for p in PROMPTS] + [(p, SEEDED) for p in PROMPTS]
-    try:
-        if concurrent:
-            with ThreadPoolExecutor(len(requests)) as pool:
-                texts = list(pool.map(lambda request: generated(url, *request), requests))
-        else:
-            texts = [generated(url, *request) for request in requests]
-        return texts[:len(PROMPTS)], texts[len(PROMPTS):]
-    finally:
-        proc.terminate()
-        proc.wait(30)
+def answers(url: str) -> tuple[list[str], list[str]]:
+    """(greedy texts, seeded sampled texts) of PROMPTS, one request at a time:
+    concurrent requests would share batches whose make-up varies with arrival
+    order, and in float32 a text then depends on it."""
+    return [generated(url, p, GREEDY) for p in PROMPTS], [generated(url, p, SEEDED) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
@@ -56,49 +49,72 @@ def tiny(tmp_path_factory):
     return str(save_tiny_served_model(path, eos_token_id=None, num_attention_heads=8, num_key_value_heads=4))
 
 
-def test_two_shards_answer_as_one(tiny, tmp_path):
-    """float32: in bf16 (the default on this CPU) the ranks' partial sums round
+@pytest.fixture(scope="module")
+def two_shards(tiny, tmp_path_factory):
+    """(launcher process, url, its directory): the tiny model on two ranks,
+    one launch for both tests; test_a_dead_rank_... ends it, so it runs last.
+    float32: in bf16 (the default on this CPU) the ranks' partial sums round
     differently from one GEMM's, enough to move a seeded draw from the random
     model's nearly flat distribution."""
-    (tmp_path / "n1").mkdir()
-    (tmp_path / "n2").mkdir()
-    assert answers(tiny, tmp_path, 2, "--dtype", "float32") == answers(tiny, tmp_path, 1, "--dtype", "float32")
-
-
-@pytest.mark.slow
-def test_smollm2_on_three_shards_answers_as_one(tmp_path):
-    """9 heads and 3 KV heads: 3 + 1 per rank. float64 on both sides: in
-    float32 the ranks' partial sums (added in another order than one GEMM's)
-    moved prompt logprobs by up to 2.3e-5, and that once put a seeded draw on
-    the other side of a boundary of SmolLM2's distribution (1 prompt in 8)."""
-    (tmp_path / "n1").mkdir()
-    (tmp_path / "n3").mkdir()
-    # A 64-token warmup: float64 GEMMs are slow, warmup prefills the whole budget, and the
-    # 8 prompts (at most 6 tokens each) fit in one such step.
-    flags = ("--dtype", "float64", "--kv-cache-bytes", "160MiB", "--max-input-tokens", "32",
-             "--max-total-tokens", "64", "--max-batch-prefill-tokens", "64")
-    assert answers(None, tmp_path, 3, *flags, concurrent=True) == answers(None, tmp_path, 1, *flags, concurrent=True)
-
-
-def test_a_dead_rank_fails_in_flight_requests_and_health(tiny, tmp_path):
-    proc, url = launch(tiny, tmp_path, "--num-shard", "2", "--master-port", str(free_port()))
+    tmp = tmp_path_factory.mktemp("n2")
+    proc, url = launch(tiny, tmp, "--num-shard", "2", "--master-port", str(free_port()), "--dtype", "float32")
+    yield proc, url, tmp
+    proc.send_signal(signal.SIGTERM)
     try:
-        ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        assert len(ranks) == 2
-        result = {}
-
-        def request():
-            result["r"] = httpx.post(url + "/generate", json={"inputs": "Hello", "parameters": {
-                "max_new_tokens": 400}}, timeout=60)
-        thread = threading.Thread(target=request)
-        thread.start()
-        time.sleep(1.0)  # generating
-        os.kill(int(max(ranks, key=int)), signal.SIGKILL)
-        killed = time.monotonic()
-        thread.join(30)
-        assert time.monotonic() - killed < 5.0
-        assert result["r"].status_code in (424, 503) and "error" in result["r"].json()
-        assert httpx.get(url + "/health", timeout=5).status_code == 503
-    finally:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(30)
+
+
+def test_two_shards_answer_as_one(tiny, two_shards, tmp_path):
+    """The reference is one shard in this process (float32, the router's code
+    as the launcher runs it), not a second launch."""
+    _, url, _ = two_shards
+    with torch_threads(1), RunningServer(tmp_path, tiny, max_total_tokens=1024, max_input_tokens=512) as one:
+        expected = answers(one.url)
+    assert answers(url) == expected
+
+
+def rank_0_health(tmp) -> None:
+    async def go():
+        client = ShardClient([str(tmp / "shard-0")], timeout=60)
+        try:
+            await client.health()
+        finally:
+            await client.close()
+    asyncio.run(go())
+
+
+def ranks_of(proc: subprocess.Popen) -> dict[int, int]:
+    """rank -> pid of the launcher's shard processes (their RANK variable)."""
+    pids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    environ = {pid: Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") for pid in pids}
+    return {int(next(v for v in env if v.startswith(b"RANK="))[5:]): int(pid) for pid, env in environ.items()}
+
+
+def test_a_dead_rank_fails_in_flight_requests_and_health(two_shards):
+    proc, url, tmp = two_shards
+    ranks = ranks_of(proc)
+    assert sorted(ranks) == [0, 1]
+    result = {}
+
+    def request():
+        result["r"] = httpx.post(url + "/generate", json={"inputs": "Hello", "parameters": {
+            "max_new_tokens": 400}}, timeout=60)
+    thread = threading.Thread(target=request)
+    thread.start()
+    time.sleep(1.0)  # generating
+    os.kill(ranks[1], signal.SIGKILL)
+    killed = time.monotonic()
+    thread.join(30)
+    assert time.monotonic() - killed < 5.0
+    assert result["r"].status_code in (424, 503) and "error" in result["r"].json()
+    assert httpx.get(url + "/health", timeout=5).status_code == 503
+    # Rank 0 itself (alive, in the launcher's 503 grace) fails a check that needs
+    # its peer from the dead peer's closed connection, not the collective's timeout.
+    os.kill(ranks[0], 0)  # alive
+    start = time.monotonic()
+    with pytest.raises(ShardError) as err:
+        rank_0_health(tmp)
+    assert err.value.code is StatusCode.UNAVAILABLE and time.monotonic() - start < COLLECTIVE_TIMEOUT_S / 2

@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import llguidance
 import pytest
@@ -16,7 +15,7 @@ import torch
 from tgi_proto import pb
 from tgi_proto.rpc import StatusCode
 from tgi_router.scheduling.client import ShardClient, ShardError
-from tgi_server.distributed import COLLECTIVE_TIMEOUT_S, TensorParallel
+from tgi_server.distributed import TensorParallel
 from tgi_server.layers.attention import HeadShard
 from tgi_server.model_loader import load_model, open_checkpoint, weight_bytes
 from tgi_server.weights.resolve import default_model_path, resolve_model
@@ -35,9 +34,11 @@ PROMPTS = [[1, 5, 9, 13, 200, 3], list(range(3, 40)), [7] * 20, [250, 4, 4, 17]]
 SAMPLED = [greedy(do_sample=True, seed=11 + i, temperature=0.9, top_k=40, top_p=0.95) for i in range(len(PROMPTS))]
 # name -> (save_tiny_model arguments, world size)
 MODELS = {
+    # With a tokenizer (save_tiny_served_model: 320 ids, <s> 256, </s> 257): the
+    # grammar and draft-model tests below run on this group's ranks too.
     "llama": (dict(model_type="llama", num_attention_heads=8, num_key_value_heads=4), 2),
-    "llama_tied": (dict(model_type="llama", num_attention_heads=8, num_key_value_heads=4,
-                        tie_word_embeddings=True), 2),
+    # Biases on q/k/v, and tied embeddings (qwen2's tiny checkpoint ties them, as
+    # Qwen2-0.5B does): the vocabulary-parallel embedding is also the LM head.
     "qwen2": (dict(model_type="qwen2", num_attention_heads=8, num_key_value_heads=4), 2),
     # One kv head copied on all 3 ranks; 256 ids padded to 258 for the vocabulary split.
     "mqa": (dict(model_type="llama", hidden_size=48, intermediate_size=96, num_attention_heads=6,
@@ -72,19 +73,37 @@ def logprob_step(sockets) -> pb.Generation:
 
 
 class Reference:
-    """What one shard in this process answers for a model."""
+    """What one shard in this process answers for a model (`constrained`:
+    the grammar-constrained answers, for a model with a tokenizer)."""
 
-    def __init__(self, tmp_path, path):
+    def __init__(self, tmp_path, path, grammars: bool = False):
         with InProcessShard(tmp_path, str(path)) as shard:
             self.greedy = generate(shard.socket)
             self.sampled = generate(shard.socket, SAMPLED)
             self.step = logprob_step([shard.socket])
             self.weight_bytes = weight_bytes(shard.runner.model)
+            self.constrained = constrained(shard.socket) if grammars else None
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """(running ShardProcesses, Reference, model path) of the "llama" group,
+    kept for the whole module: `group` and `served` share its ranks."""
+    kwargs, world_size = MODELS["llama"]
+    tmp = tmp_path_factory.mktemp("llama")
+    path = save_tiny_served_model(tmp / "model", seed=3, **{k: v for k, v in kwargs.items() if k != "model_type"})
+    reference = Reference(tmp, path, grammars=True)
+    with ShardProcesses(tmp, str(path), world_size) as shards:
+        yield shards, reference, path
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def group(request, tmp_path_factory):
     """(model name, running ShardProcesses, its one-shard Reference)."""
+    if request.param == "llama":
+        shards, reference, _ = request.getfixturevalue("llama")
+        yield request.param, shards, reference
+        return
     kwargs, world_size = MODELS[request.param]
     tmp = tmp_path_factory.mktemp(request.param)
     path = save_tiny_model(**kwargs, path=tmp / "model", seed=3)
@@ -162,14 +181,11 @@ def constrained(sockets, speculation=None, grammar: str = REGEX_GRAMMAR) -> list
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """(two ranks of a tiny model with a tokenizer, one shard's constrained answers, the model's path)."""
-    tmp = tmp_path_factory.mktemp("served")
-    path = save_tiny_served_model(tmp / "model", seed=3)
-    with InProcessShard(tmp, str(path)) as one:
-        expected = constrained(one.socket)
-    with ShardProcesses(tmp, str(path), 2) as shards:
-        yield shards, expected, path
+def served(llama):
+    """(two ranks of a tiny model with a tokenizer, one shard's constrained
+    answers, the model's path): the "llama" group's."""
+    shards, reference, path = llama
+    return shards, reference.constrained, path
 
 
 def test_grammars_constrain_tokens_as_on_one_shard(served):
@@ -217,12 +233,26 @@ def test_a_draft_model_sharded_like_the_target_gives_its_tokens(served, tmp_path
 
 @pytest.mark.slow
 def test_smollm2_over_three_ranks_matches_one_shard(tmp_path):
-    """The real GGUF file (9 heads, 3 kv heads), each rank dequantizing its slices."""
+    """The real GGUF file (9 heads, 3 kv heads; its Q4_1 linears run by the
+    int4 kernel), each rank holding its slices: greedy and seeded sampled
+    tokens are one shard's. The seeded half was checked over HTTP through the
+    launcher before (tests/e2e/test_tensor_parallel_http.py), in float64:
+    there concurrent requests made batches that varied from run to run, and
+    in float32 the ranks' partial sums (added in another order than one
+    GEMM's) once moved a draw across a boundary of the distribution. Here
+    both sides run the same batches in the same order, so every run makes
+    the same draws from the same logits. The launcher and router around N
+    ranks stay covered there, with the tiny model."""
     prompts = [[1, 9690, 28, 30, 2, 198] + list(range(300, 340)), list(range(1000, 1100))]
+    params = [greedy(), greedy()] + [greedy(do_sample=True, seed=7 + i, temperature=0.8) for i in range(2)]
+
+    def tokens(sockets) -> list[list[int]]:
+        return [s.generated_ids for s in asyncio.run(run_prompts(sockets, prompts * 2, 12, params=params))]
     with InProcessShard(tmp_path, str(default_model_path())) as one:
-        expected = [s.generated_ids for s in asyncio.run(run_prompts(one.socket, prompts, 12))]
+        expected = tokens(one.socket)
+    assert expected[2:] != expected[:2]  # the draws are not the greedy tokens
     with ShardProcesses(tmp_path, str(default_model_path()), 3) as shards:
-        assert [s.generated_ids for s in asyncio.run(run_prompts(shards.sockets, prompts, 12))] == expected
+        assert tokens(shards.sockets) == expected
 
 
 @pytest.mark.slow
@@ -233,25 +263,6 @@ def test_four_ranks_sharing_two_kv_heads_match_one_shard(tmp_path):
     with ShardProcesses(tmp_path, str(path), 4) as shards:
         assert generate(shards.sockets) == expected
         assert {call([s], lambda c: c.info()).num_kv_heads for s in shards.sockets} == {1}
-
-
-def test_a_dead_rank_fails_the_next_step_on_rank_0_at_once(tmp_path):
-    path = save_tiny_model("llama", tmp_path / "m", num_attention_heads=8, num_key_value_heads=4)
-    with ShardProcesses(tmp_path, str(path), 2) as shards:
-        call(shards.sockets, lambda c: c.warmup(64, 4))
-        shards.processes[1].kill()
-        shards.processes[1].wait()
-        request = pb.StepRequest(new_sequences=[pb.NewSequence(
-            id=1, token_ids=[1, 2, 3], num_scheduled_tokens=3, block_table=[0])])
-        start = time.monotonic()
-        with pytest.raises(ShardError) as err:
-            call(shards.sockets[:1], lambda c: c.step(request))
-        # From the dead peer's closed connection, not the collective's timeout.
-        assert time.monotonic() - start < COLLECTIVE_TIMEOUT_S / 2
-        assert err.value.code is StatusCode.INTERNAL
-        with pytest.raises(ShardError) as err:
-            call(shards.sockets[:1], lambda c: c.health())
-        assert err.value.code is StatusCode.UNAVAILABLE
 
 
 def test_a_head_count_that_does_not_split_exits_1_with_one_line(tmp_path):
