@@ -8,9 +8,6 @@ import json
 import jsonschema
 import openai
 import pytest
-import torch
-
-from tgi_server.quant.quantizer import save_float_model
 
 from .router_harness import launch
 
@@ -61,21 +58,28 @@ TOOLS = {"get_weather": WEATHER, "book_flight": FLIGHT}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """One server for the module: SmolLM2's GGUF file dequantized once into a
-    float32 safetensors checkpoint, served in float32. In bf16 a greedy
-    answer depends on which requests share its batch (oneDNN picks kernels
-    by row count) and on prefix-cache hits, so 20 concurrent answers changed
-    between runs, and one CI run met a grade of hundreds of zeros that ran to
-    max_tokens; in float32 the 20 answers came out the same under every
-    arrival order tried. Dense, because in exact float32 the GGUF's int4
-    weights are unpacked at every GEMM (~85 ms a decode step of 4 rows). The
-    GGUF file in the default dtype is served by test_launcher_process."""
+def server(tmp_path_factory, smollm2_hf):
+    """One server for the module: SmolLM2's GGUF file dequantized (the
+    session's transformers model, saved) into a float32 safetensors
+    checkpoint, served in float32. In bf16 a greedy answer depends on which
+    requests share its batch (oneDNN picks kernels by row count) and on
+    prefix-cache hits, so 20 concurrent answers changed between runs, and one
+    CI run met a grade of hundreds of zeros that ran to max_tokens; in
+    float32 the 20 answers came out the same under every arrival order
+    tried. Dense, because in exact float32 the GGUF's int4 weights are
+    unpacked at every GEMM (~85 ms a decode step of 4 rows). The GGUF file
+    in the default dtype is served by test_launcher_process.
+
+    Warmup prefills the step budget and decodes max_batch_size rows: 512
+    tokens (the longest prompt here, two tools', is 257) and 32 rows (20
+    requests at most), not 4096 and 256."""
     tmp = tmp_path_factory.mktemp("smollm2")
-    save_float_model(None, tmp / "float32", torch.float32)
-    proc, url = launch(str(tmp / "float32"), tmp, "--max-input-tokens", "1536", "--max-total-tokens", "2048",
+    model, tokenizer, _ = smollm2_hf
+    model.save_pretrained(tmp / "float32")
+    tokenizer.save_pretrained(tmp / "float32")
+    proc, url = launch(str(tmp / "float32"), tmp, "--max-input-tokens", "512", "--max-total-tokens", "1024",
                        "--kv-cache-bytes", "256MiB", "--dtype", "float32",
-                       "--max-batch-prefill-tokens", "1536")  # warmup prefills the budget: not 4096 tokens
+                       "--max-batch-prefill-tokens", "512", "--max-batch-size", "32")
     yield url
     proc.terminate()
     proc.wait(30)
@@ -101,16 +105,21 @@ def test_twenty_schemas_parse_and_validate(server):
 
 
 def test_tool_calls_under_required_and_named_choice(server):
-    client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
+    """The four requests at once (they share decode steps)."""
     cases = [("What's the weather like in Paris?", "required", None),
              ("Book me a flight from Berlin to Rome for two people.", "required", None),
              ("I need to fly to Tokyo.", {"type": "function", "function": {"name": "book_flight"}}, "book_flight"),
              ("Hello!", {"type": "function", "function": {"name": "get_weather"}}, "get_weather")]
-    for prompt, choice, expected in cases:
-        r = client.chat.completions.create(model="tgi", messages=[{"role": "user", "content": prompt}],
-                                           tools=[WEATHER, FLIGHT], tool_choice=choice, max_tokens=200,
-                                           temperature=0)
-        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
+        answers = await asyncio.gather(*[client.chat.completions.create(
+            model="tgi", messages=[{"role": "user", "content": prompt}], tools=[WEATHER, FLIGHT],
+            tool_choice=choice, max_tokens=200, temperature=0) for prompt, choice, _ in cases])
+        await client.close()
+        return answers
+    for (prompt, choice, expected), r in zip(cases, asyncio.run(main())):
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None, prompt
         call = r.choices[0].message.tool_calls[0]
         if isinstance(choice, dict):  # under "required" the choice of tool is the model's
             assert call.function.name == expected
@@ -120,7 +129,7 @@ def test_tool_calls_under_required_and_named_choice(server):
 def test_seeded_stream_reassembles_to_the_non_streamed_answer(server):
     client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=300)
     kw = dict(model="tgi", messages=[{"role": "user", "content": "Write a short poem about the sea."}],
-              max_tokens=60, temperature=0.8, seed=1234)
+              max_tokens=32, temperature=0.8, seed=1234)
     client.chat.completions.create(**dict(kw, max_tokens=1))  # warm the prefix cache, as below
     whole = client.chat.completions.create(**kw)
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
