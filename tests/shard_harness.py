@@ -3,6 +3,7 @@ real unix socket, and a driver that runs prompts through the router's
 scheduler to completion."""
 
 import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
@@ -133,6 +134,25 @@ def chunked_logprobs(runner: ModelRunner, ids: list[int], chunk: int) -> torch.T
     logprobs = [t.logprob for step in steps for t in runner.step(step).generations[0].prefill_tokens]
     runner.step(pb.StepRequest(release_ids=[1]))
     return torch.tensor(logprobs[1:])  # the first token has none
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's threads for work started inside, in this thread and in threads
+    that make their first parallel op inside (an InProcessShard's loads its
+    model here and serves on its own thread). An in-process shard runs without
+    a shard process's thread governor (tgi_server/thread_governor.py): beside
+    busy cores its two OpenMP threads wait on each other in every parallel
+    region. On two cores shared with other tests, a tiny model's decode
+    forward took 76 ms with two threads, 0.5 ms with one; loading SmolLM2
+    (its int4 packing) 13-18 s with two, 2-3 s with one. The count never
+    changes a result (the kernels never split a summed dimension)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class DraftAlways(SpeculationPolicy):

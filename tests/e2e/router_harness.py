@@ -3,7 +3,6 @@ process (`launch`), or in-process (`RunningServer`: a shard on a background
 loop and serve_router on another) where a test needs to reach inside."""
 
 import asyncio
-import contextlib
 import subprocess
 import sys
 import threading
@@ -12,7 +11,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
-import torch
 
 from tgi_router.launch.config import RouterConfig
 from tgi_router.launch.server import serve_router
@@ -70,24 +68,6 @@ class RunningServer:
         self.stop()
         if self._own_shard:
             self.shard.__exit__(*exc)
-
-
-@contextlib.contextmanager
-def torch_threads(n: int):
-    """torch's threads for the shards started inside: a thread picks the count
-    up at its first parallel op. For tiny models: an in-process shard runs
-    without a shard process's thread governor (tgi_server/thread_governor.py),
-    and beside busy cores its two OpenMP threads wait on each other in every
-    parallel region (two cores shared with other tests: a tiny model's decode
-    forward took 76 ms with two threads, 0.5 ms with one).
-    The count never changes a result (the kernels never split a summed
-    dimension over threads)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def launch(model: str | None, tmp_path, *flags, default_limits: bool = True) -> tuple[subprocess.Popen, str]:

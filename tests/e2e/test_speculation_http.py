@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from ..shard_harness import InProcessShard, save_tiny_served_model
-from .router_harness import RunningServer, torch_threads
+from ..shard_harness import InProcessShard, save_tiny_served_model, torch_threads
+from .router_harness import RunningServer
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "n": {"type": "integer"}}, "required": ["name", "n"]}
@@ -139,7 +139,7 @@ def test_the_default_model_copying_text_accepts_runs_and_stops_inside_them(tmp_p
             skipped = metric(server.url, "tgi_request_skipped_tokens_sum")
         return plain, stopped, events, accepted, skipped
 
-    with InProcessShard(tmp_path, None, kv_cache_bytes=16 << 20) as shard:
+    with torch_threads(1), InProcessShard(tmp_path, None, kv_cache_bytes=16 << 20) as shard:
         plain, stopped, events, _, _ = run(0)
         plain4, stopped4, events4, accepted, skipped = run(4)
     assert plain4 == plain and stopped4 == stopped and stopped4["finish_reason"] == "stop"

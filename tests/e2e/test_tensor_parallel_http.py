@@ -19,8 +19,8 @@ from tgi_proto.rpc import StatusCode
 from tgi_router.scheduling.client import ShardClient, ShardError
 from tgi_server.distributed import COLLECTIVE_TIMEOUT_S
 
-from ..shard_harness import save_tiny_served_model
-from .router_harness import RunningServer, free_port, launch, torch_threads
+from ..shard_harness import save_tiny_served_model, torch_threads
+from .router_harness import RunningServer, free_port, launch
 
 PROMPTS = ["Hello", "The weather today", "Once upon a time", "1, 2, 3,", "Paris is",
            "Write a poem", "def main():", "The quick brown fox"]

@@ -28,6 +28,7 @@ from ..shard_harness import (
     run_prompts,
     save_tiny_model,
     save_tiny_served_model,
+    torch_threads,
 )
 
 PROMPTS = [[1, 5, 9, 13, 200, 3], list(range(3, 40)), [7] * 20, [250, 4, 4, 17]]
@@ -77,7 +78,7 @@ class Reference:
     the grammar-constrained answers, for a model with a tokenizer)."""
 
     def __init__(self, tmp_path, path, grammars: bool = False):
-        with InProcessShard(tmp_path, str(path)) as shard:
+        with torch_threads(1), InProcessShard(tmp_path, str(path)) as shard:
             self.greedy = generate(shard.socket)
             self.sampled = generate(shard.socket, SAMPLED)
             self.step = logprob_step([shard.socket])
@@ -248,7 +249,7 @@ def test_smollm2_over_three_ranks_matches_one_shard(tmp_path):
 
     def tokens(sockets) -> list[list[int]]:
         return [s.generated_ids for s in asyncio.run(run_prompts(sockets, prompts * 2, 12, params=params))]
-    with InProcessShard(tmp_path, str(default_model_path())) as one:
+    with torch_threads(1), InProcessShard(tmp_path, str(default_model_path())) as one:
         expected = tokens(one.socket)
     assert expected[2:] != expected[:2]  # the draws are not the greedy tokens
     with ShardProcesses(tmp_path, str(default_model_path()), 3) as shards:
@@ -258,7 +259,7 @@ def test_smollm2_over_three_ranks_matches_one_shard(tmp_path):
 @pytest.mark.slow
 def test_four_ranks_sharing_two_kv_heads_match_one_shard(tmp_path):
     path = save_tiny_model("llama", tmp_path / "m", num_attention_heads=8, num_key_value_heads=2, seed=5)
-    with InProcessShard(tmp_path, str(path)) as shard:
+    with torch_threads(1), InProcessShard(tmp_path, str(path)) as shard:
         expected = generate(shard.socket)
     with ShardProcesses(tmp_path, str(path), 4) as shards:
         assert generate(shards.sockets) == expected
