@@ -195,12 +195,13 @@ def _quantize(args: argparse.Namespace) -> None:
 
 
 def _watermark_detect(args: argparse.Namespace) -> NoReturn:
-    from .sampling.watermark_detect import detect
+    from .sampling.watermark_detect import detect, load_scorer
     from .weights.errors import CheckpointError
 
     gamma = _gamma(args.watermark_gamma)
-    text = args.text if args.text is not None else sys.stdin.read()
     try:
+        load_scorer(args.model_id)  # before the text: what writes it to a pipe need not wait for the tokenizer
+        text = args.text if args.text is not None else sys.stdin.read()
         result = detect(args.model_id, text, gamma)
     except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr)

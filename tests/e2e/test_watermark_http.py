@@ -15,25 +15,44 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from benchmarks.watermark import TOPICS, answers
-from tgi_server.sampling.watermark_detect import THRESHOLD, detect
+from tgi_server.sampling.watermark_detect import THRESHOLD, detect, load_scorer
 
 from .router_harness import launch
 
 
 def test_watermarked_answers_are_detected_and_others_are_not(tmp_path):
-    # a 512-token prefill budget: Warmup runs one such step (18 s at 4096 on two cores)
-    proc, url = launch(None, tmp_path, "--kv-cache-bytes", "512MiB", "--max-batch-prefill-tokens", "512")
+    # Each detector command line loads the tokenizer before it reads its
+    # text: both start now, beside the server's start.
+    detectors = [subprocess.Popen([sys.executable, "-m", "tgi_server.cli", "watermark-detect"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     try:
-        with ThreadPoolExecutor(2) as pool:  # all eight at once: 200 steps of batch 8
-            marked, plain = pool.map(lambda watermark: answers(url, TOPICS[:4], watermark), (True, False))
+        with ThreadPoolExecutor(2) as pool:
+            loaded = pool.submit(load_scorer, None)  # this process's, beside the start too
+            # A 512-token prefill budget: Warmup runs one such step (18 s at 4096 on two cores). 128 MiB
+            # of float32 KV: 182 blocks of 16 tokens, the eight answers' ~112 all at once.
+            proc, url = launch(None, tmp_path, "--kv-cache-bytes", "128MiB", "--max-batch-prefill-tokens", "512")
+            loaded.result()
+            try:  # all eight at once: 200 steps of batch 8
+                marked, plain = pool.map(lambda watermark: answers(url, TOPICS[:4], watermark), (True, False))
+            finally:
+                proc.terminate()
+                proc.wait(30)
+        assert all(n == 200 for _, n in marked + plain)
+        # The command line on a marked and an unmarked answer, scoring them while this process does too:
+        # its exit code says which.
+        for detector, (text, _) in zip(detectors, (marked[0], plain[0])):
+            detector.stdin.write(text)
+            detector.stdin.flush()
+        marked_scores = [detect(None, text) for text, _ in marked]
+        plain_scores = [detect(None, text) for text, _ in plain]
+        assert all(score["z"] > 4 for score in marked_scores)
+        plain_z = [score["z"] for score in plain_scores]
+        assert all(z < THRESHOLD for z in plain_z) and abs(sum(plain_z) / len(plain_z)) < 2, plain_z
+        for detector, score, code in zip(detectors, (marked_scores[0], plain_scores[0]), (0, 1)):
+            out, err = detector.communicate(timeout=120)  # closes its stdin: it reads to the end
+            assert detector.returncode == code and json.loads(out) == score, err
     finally:
-        proc.terminate()
-        proc.wait(30)
-    assert all(n == 200 for _, n in marked + plain)
-    assert all(detect(None, text)["z"] > 4 for text, _ in marked)
-    plain_z = [detect(None, text)["z"] for text, _ in plain]
-    assert all(z < THRESHOLD for z in plain_z) and abs(sum(plain_z) / len(plain_z)) < 2, plain_z
-    for (text, _), code in ((marked[0], 0), (plain[0], 1)):
-        done = subprocess.run([sys.executable, "-m", "tgi_server.cli", "watermark-detect"], input=text,
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == code and json.loads(done.stdout) == detect(None, text)
+        for detector in detectors:
+            if detector.poll() is None:
+                detector.kill()
+                detector.wait(30)
