@@ -1,6 +1,7 @@
-"""The real launcher as users start it: flags, SIGTERM drain, and a shard
-that dies under load."""
+"""The real launcher as users start it: flags, SIGTERM drain (with the
+default model), and a shard that dies under load."""
 
+import json
 import os
 import signal
 import subprocess
@@ -47,38 +48,34 @@ def test_bad_flag_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
 
 
-def test_sigterm_drains_in_flight_requests_and_exits_0(model, tmp_path):
-    proc, url = launch(model, tmp_path)
-    result = {}
+class Stream(threading.Thread):
+    """A /generate_stream request on its own thread: `events` (the data
+    lines' JSON), `first` set at the first one, `status` the HTTP status."""
 
-    def request():
-        result["r"] = httpx.post(url + "/generate", json={"inputs": "Hello", "parameters": {
-            "max_new_tokens": 400, "stop": []}}, timeout=60)
-    t = threading.Thread(target=request)
-    t.start()
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
-    t.join(60)
-    assert proc.wait(60) == 0
-    assert result["r"].status_code == 200
+    def __init__(self, url: str, inputs: str, **parameters):
+        super().__init__()
+        self.body = {"inputs": inputs, "parameters": parameters}
+        self.url, self.events, self.first, self.status = url, [], threading.Event(), None
+        self.start()
+
+    def run(self):
+        with httpx.stream("POST", self.url + "/generate_stream", json=self.body, timeout=60) as r:
+            self.status = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    self.events.append(json.loads(line[5:]))
+                    self.first.set()
 
 
 def test_killed_shard_fails_requests_turns_health_503_and_exits_nonzero(model, tmp_path):
     proc, url = launch(model, tmp_path)
-    events = []
-
-    def stream():
-        with httpx.stream("POST", url + "/generate_stream", json={"inputs": "Hello", "parameters": {
-                "max_new_tokens": 900}}, timeout=60) as r:
-            events.extend(line for line in r.iter_lines() if line.startswith("data:"))
-    t = threading.Thread(target=stream)
-    t.start()
-    time.sleep(0.5)
+    t = Stream(url, "Hello", max_new_tokens=900)
+    assert t.first.wait(60)  # generating
     killed = time.time()
     os.kill(shard_pid(proc), signal.SIGKILL)
     t.join(10)
     assert not t.is_alive() and time.time() - killed < 5
-    assert '"error_type"' in events[-1]
+    assert "error_type" in t.events[-1]
     assert httpx.get(url + "/health", timeout=5).status_code == 503
     # Left alone, the launcher would answer 503 for SHARD_FAILURE_GRACE_S (10 s)
     # and then exit 1 by itself (tests/router/test_launcher.py holds that wait).
@@ -90,9 +87,11 @@ def test_killed_shard_fails_requests_turns_health_503_and_exits_nonzero(model, t
 
 
 @pytest.mark.slow
-def test_default_model_answers_with_real_text(tmp_path):
+def test_default_model_answers_with_real_text_and_sigterm_drains_a_stream(tmp_path):
     """SmolLM2 through the whole stack: launcher, router, shard (its large
-    allocations on huge pages where the host has them)."""
+    allocations on huge pages where the host has them). Then SIGTERM while a
+    stream is generating: the stream runs to its end, and the launcher exits
+    0. (The drain had a launch of the tiny model of its own before.)"""
     # Warmup prefills --max-batch-prefill-tokens (by default min(4096, the model's
     # 8192 positions): seconds of SmolLM2 on two cores); the prompt is 16 tokens.
     proc, url = launch(None, tmp_path, "--num-threads", "2", "--kv-cache-bytes", "64MiB", "--max-input-tokens", "64",
@@ -110,6 +109,17 @@ def test_default_model_answers_with_real_text(tmp_path):
         assert "Paris" in events[-1]
         if huge_pages_expected():  # the weights and KV cache on huge pages (shard_processes.shard_env)
             assert anon_huge_kb(shard_pid(proc)) > 64 << 10
-    finally:
+        # SmolLM2 counts past 48 tokens (no EOS): the stream is still generating
+        # when SIGTERM comes after its first token, and must get all 48.
+        counting = "<|im_start|>user\nCount from 1 to 100, separated by commas.<|im_end|>\n<|im_start|>assistant\n"
+        t = Stream(url, counting, max_new_tokens=48, details=True)
+        assert t.first.wait(60)
         proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        assert t.status == 200 and len(t.events) == 48
+        assert t.events[-1]["details"]["finish_reason"] == "length"
         assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
