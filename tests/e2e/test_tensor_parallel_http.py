@@ -6,6 +6,7 @@ in tests/server/test_tensor_parallel.py.)"""
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -86,6 +87,11 @@ def rank_0_health(tmp) -> None:
     asyncio.run(go())
 
 
+def batch_size(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return float(re.search(r"^tgi_batch_current_size (\S+)$", text, re.M).group(1))
+
+
 def ranks_of(proc: subprocess.Popen) -> dict[int, int]:
     """rank -> pid of the launcher's shard processes (their RANK variable)."""
     pids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
@@ -104,7 +110,9 @@ def test_a_dead_rank_fails_in_flight_requests_and_health(two_shards):
             "max_new_tokens": 400}}, timeout=60)
     thread = threading.Thread(target=request)
     thread.start()
-    time.sleep(1.0)  # generating
+    deadline = time.monotonic() + 60
+    while batch_size(url) < 1 and time.monotonic() < deadline:  # until it is generating
+        time.sleep(0.05)
     os.kill(ranks[1], signal.SIGKILL)
     killed = time.monotonic()
     thread.join(30)
