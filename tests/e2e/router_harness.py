@@ -70,11 +70,14 @@ class RunningServer:
             self.shard.__exit__(*exc)
 
 
-def launch(model: str | None, tmp_path, *flags, default_limits: bool = True) -> tuple[subprocess.Popen, str]:
+def launch(model: str | None, tmp_path, *flags, default_limits: bool = True,
+           wait: bool = True) -> tuple[subprocess.Popen, str]:
     """model None: the default model (SmolLM2-135M-Instruct). The launcher's
     output (its shards' too) goes to tmp_path/launcher.log: an undrained pipe
     would fill up and block the launcher in its next log line. default_limits
-    False: no --max-total-tokens / --max-input-tokens (the router derives them)."""
+    False: no --max-total-tokens / --max-input-tokens (the router derives them).
+    wait False: returns once the launcher is started, for the caller to do
+    other work while it loads, then `wait_launched`."""
     port = free_port()
     model_flags = ["--model-id", model] if model else []
     Path(tmp_path).mkdir(parents=True, exist_ok=True)
@@ -86,13 +89,21 @@ def launch(model: str | None, tmp_path, *flags, default_limits: bool = True) -> 
              *(["--max-total-tokens", "1024", "--max-input-tokens", "512"] if default_limits else []), *flags],
             stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
+    if wait:
+        wait_launched(proc, url, tmp_path)
+    return proc, url
+
+
+def wait_launched(proc: subprocess.Popen, url: str, tmp_path) -> None:
+    """Until `launch`'s server answers /health; RuntimeError with its log
+    (the launcher killed) if it exits first or takes over 180 s."""
     deadline = time.time() + 180  # shards load and warm up on a shared 2-core machine
     while time.time() < deadline and proc.poll() is None:
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             time.sleep(0.2)
     proc.kill()
     proc.wait(30)
-    raise RuntimeError(f"launcher did not start: {log_path.read_text()}")
+    raise RuntimeError(f"launcher did not start: {(Path(tmp_path) / 'launcher.log').read_text()}")
