@@ -39,12 +39,21 @@ def fast_gguf_reader(monkeypatch):
     (tgi_server.weights.gguf_reader.FastGGUFReader: the same fields, with
     arrays parsed in one pass instead of element by element through
     numpy.memmap slices), so that fixtures loading Gemma 3's 262k-token
-    vocabulary do not spend seconds in the parse, twice per from_pretrained."""
+    vocabulary do not spend seconds in the parse, twice per from_pretrained.
+    Also, with the same results: its dequantize is ours (gguf-py's block
+    decoders over larger chunks, the same values to the bit:
+    test_gguf.py::test_our_dequantize_is_gguf_pys_to_the_bit), and gguf-py's
+    tensor name map, which transformers builds again for every module of
+    the model (~300 times, most of SmolLM2's load), is built once."""
+    import functools
+
     import gguf
 
-    from tgi_server.weights.gguf_reader import FastGGUFReader
+    from tgi_server.weights.gguf_reader import FastGGUFReader, dequantize
 
     monkeypatch.setattr(gguf, "GGUFReader", FastGGUFReader)
+    monkeypatch.setattr(gguf, "dequantize", dequantize)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
 
 
 @pytest.fixture(scope="session")
@@ -57,3 +66,4 @@ def smollm2_hf():
 
     model, tokenizer = load_float_model(None)
     return model, tokenizer, default_model_path()
+
