@@ -67,3 +67,27 @@ def smollm2_hf():
     model, tokenizer = load_float_model(None)
     return model, tokenizer, default_model_path()
 
+
+# The longest greedy reference `smollm2_greedy` gives (test_engine_matches_hf
+# takes all of it, test_gguf a prefix of one of the same texts).
+SMOLLM2_GREEDY_TOKENS = 32
+
+
+@pytest.fixture(scope="session")
+def smollm2_greedy(smollm2_hf):
+    """greedy(text, n): the first n (at most SMOLLM2_GREEDY_TOKENS) tokens of
+    transformers' greedy continuation of `text` under `smollm2_hf`, EOS never
+    ending it. Each text is generated once a session, at the longest length
+    any test takes: a shorter greedy generation is exactly that one's prefix
+    (each step's argmax sees the same tokens, whatever the length asked)."""
+    from .shard_harness import hf_greedy
+
+    model, tokenizer, _ = smollm2_hf
+    done: dict[str, list[int]] = {}
+
+    def greedy(text: str, n: int) -> list[int]:
+        assert n <= SMOLLM2_GREEDY_TOKENS, n
+        if text not in done:
+            done[text] = hf_greedy(model, tokenizer(text)["input_ids"], SMOLLM2_GREEDY_TOKENS)
+        return done[text][:n]
+    return greedy

@@ -328,14 +328,13 @@ def test_smollm2_tokenizer_round_trips_and_has_the_chat_template(smollm2_hf):
     assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_smollm2_answers_in_english_so_q_k_are_unpermuted(smollm2_hf):
-    model, tokenizer, _ = smollm2_hf
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                        return_dict=True)["input_ids"]
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=12, do_sample=False)
-    answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+def test_smollm2_answers_in_english_so_q_k_are_unpermuted(smollm2_hf, smollm2_greedy):
+    """transformers' model on the tensors load_gguf gave (smollm2_hf) knows
+    the capital of France: rows still interleaved would garble it. The
+    session's greedy tokens of that prompt, which test_engine_matches_hf
+    compares ours with (the chat template is test_smollm2_tokenizer_...'s)."""
+    tokenizer = smollm2_hf[1]
+    answer = tokenizer.decode(smollm2_greedy("The capital of France is", 12), skip_special_tokens=True)
     assert "Paris" in answer, answer
 
 
