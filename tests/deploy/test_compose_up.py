@@ -46,14 +46,16 @@ def compose(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess
 @pytest.fixture
 def compose_env(model_dir) -> tuple[dict[str, str], int]:
     """The environment compose interpolates the file with (the model folder
-    at /data, small limits, a free port), and that port."""
+    at /data, small limits, a warmup of 512 prefill tokens rather than 4096,
+    a free port), and that port."""
     port = free_port()
     return {**os.environ, "CPU_MODEL_ID": "/data", "DATA_DIR": str(model_dir), "CPU_PORT": str(port),
             "KV_CACHE_BYTES": "64MiB", "MAX_INPUT_TOKENS": "512", "MAX_TOTAL_TOKENS": "1024",
-            "TGI_CPU_COMPILE": "0"}, port
+            "MAX_BATCH_PREFILL_TOKENS": "512", "TGI_CPU_COMPILE": "0"}, port
 
 
 def test_cpu_server_comes_up_healthy_under_compose(image, compose_env):
+    """As the image's default user, root (test_image.py runs it as another)."""
     env, port = compose_env
     up = compose("up", "-d", "tgi-cpu", env=env)
     try:

@@ -2,7 +2,10 @@
 -p …:80 -v MODEL:/data IMAGE FLAGS`, checked from outside the container.
 
 The image (tests/deploy/conftest.py builds it) answers greedily as the pip
-install does, launched here with the same flags."""
+install does, launched here with the same flags. One container answers every
+check: run as another user than root (any UID, as OpenShift assigns one) with
+the model mounted read-only; the image's default user, root, serves under
+compose (test_compose_up.py)."""
 
 import json
 import os
@@ -13,15 +16,17 @@ import pytest
 
 from deploy.image.container import Container
 
-from ..e2e.router_harness import launch
+from ..e2e.router_harness import launch, wait_launched
 from ..shard_harness import free_port
 from .engine_at_hand import ENGINE, needs_engine
 
 pytestmark = [pytest.mark.slow, needs_engine]
 # The pip install's launcher in these tests gets the same limits, and serves
 # eagerly (tests/conftest.py: TGI_CPU_COMPILE=0), as the container does; the
-# kernel limits that make a newer CPU serve as an AVX2 one reach both.
-LIMITS = ["--max-total-tokens", "1024", "--max-input-tokens", "512", "--kv-cache-bytes", "64MiB"]
+# kernel limits that make a newer CPU serve as an AVX2 one reach both. Warmup
+# prefills --max-batch-prefill-tokens: 512, not TGI's 4096 (~16 s on two cores).
+LIMITS = ["--max-total-tokens", "1024", "--max-input-tokens", "512", "--kv-cache-bytes", "64MiB",
+          "--max-batch-prefill-tokens", "512"]
 KERNEL_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 SERVING_ENV = {"TGI_CPU_COMPILE": "0", **{name: os.environ[name] for name in KERNEL_LIMITS if name in os.environ}}
 PROMPT = "What is Deep Learning?"
@@ -39,9 +44,21 @@ def greedy(url: str) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def pip_answers(tmp_path_factory):
-    """greedy() from the pip install's launcher (`launch` waits until it is healthy)."""
-    proc, url = launch(None, tmp_path_factory.mktemp("pip"), *LIMITS)
+def pip_launcher(tmp_path_factory):
+    """The pip install's launcher, started and not waited for: `server`
+    starts it before the container, so that both load at once."""
+    tmp = tmp_path_factory.mktemp("pip")
+    proc, url = launch(None, tmp, *LIMITS, wait=False)
+    yield proc, url, tmp
+    proc.terminate()
+    proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def pip_answers(pip_launcher):
+    """greedy() from the pip install's launcher, once it is healthy; it stops then."""
+    proc, url, tmp = pip_launcher
+    wait_launched(proc, url, tmp)
     try:
         return greedy(url)
     finally:
@@ -50,18 +67,27 @@ def pip_answers(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(image, model_dir):
-    """The image as root: flags both as arguments (--max-stop-sequences) and as
-    environment variables (MAX_CONCURRENT_REQUESTS, MAX_BATCH_SIZE)."""
+def server(image, model_dir, pip_launcher):
+    """The image as user 1001 (no such user in the image) with the model
+    folder mounted read-only; flags both as arguments (--max-stop-sequences)
+    and as environment variables (MAX_CONCURRENT_REQUESTS, MAX_BATCH_SIZE)."""
     flags = ["--model-id", "/data", *LIMITS, "--max-stop-sequences", "3"]
     env = {**SERVING_ENV, "MAX_CONCURRENT_REQUESTS": "17", "MAX_BATCH_SIZE": "2"}
-    with Container.start(ENGINE, image, flags, free_port(), env=env, mounts=[f"{model_dir}:/data"]) as container:
+    with Container.start(ENGINE, image, flags, free_port(), env=env, mounts=[f"{model_dir}:/data:ro"],
+                         user="1001") as container:
         container.wait_healthy()
         yield container
 
 
 def test_health_is_200_once_ready(server):
     assert server.health() == 200
+
+
+def test_any_user_serves_a_read_only_model_mount(server):
+    """The launcher (the container's first process) runs as 1001; /data
+    cannot be written. Its answers: test_generate_and_chat_answer_as_the_pip_install."""
+    assert server.exec("sh", "-c", "grep -Eq '^Uid:[[:space:]]+1001[[:space:]]' /proc/1/status") == 0
+    assert server.exec("sh", "-c", "! touch /data/written") == 0
 
 
 def test_generate_and_chat_answer_as_the_pip_install(server, pip_answers):
@@ -95,7 +121,7 @@ def test_flags_reach_the_launcher_as_arguments_and_as_environment(server):
 def test_docker_stop_drains_an_in_flight_stream_and_exits_0(server):
     """The last test on `server`: it stops it. SIGTERM comes after the first
     token of 120; the stream still ends with all of them (a SIGKILL at the
-    timeout would exit 137)."""
+    timeout would exit 137), and the container exits 0."""
     events, first = [], threading.Event()
 
     def stream():
@@ -112,12 +138,3 @@ def test_docker_stop_drains_an_in_flight_stream_and_exits_0(server):
     reader.join(60)
     assert events[-1]["details"]["finish_reason"] == "length"
     assert events[-1]["details"]["generated_tokens"] == 120
-
-
-def test_any_user_serves_a_read_only_model_mount(image, model_dir, pip_answers):
-    flags = ["--model-id", "/data", *LIMITS]
-    with Container.start(ENGINE, image, flags, free_port(), env=SERVING_ENV, mounts=[f"{model_dir}:/data:ro"],
-                         user="1001") as container:
-        container.wait_healthy()
-        assert greedy(container.url) == pip_answers
-        assert container.stop(timeout=60) == 0
