@@ -13,8 +13,8 @@ import httpx
 import pytest
 import torch
 
-from ..shard_harness import HF_CLASSES, TINY_EXTRA, hf_greedy, save_tiny_model, save_tiny_tokenizer
-from .router_harness import free_port, launch
+from ..shard_harness import HF_CLASSES, TINY_EXTRA, hf_greedy, save_tiny_model, save_tiny_tokenizer, torch_threads
+from .router_harness import free_port, launch, wait_launched
 
 # Mixed lengths (the tokenizer is byte-level: one token a byte, after <s>);
 # the two longer ones outrun the 24-token windows and the 16-token budget.
@@ -45,14 +45,70 @@ def _metric(url: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
+@pytest.fixture(scope="module")
+def launches(request, tmp_path_factory):
+    """start(model_type) -> (launcher, URL, its folder, checkpoint path):
+    the family's tiny checkpoint saved and its server launched (two shards,
+    a 16-token prefill budget: every prompt but the first is computed in
+    chunks), not waited for; once per family. Stops what is left at the end."""
+    started = {}
+
+    def start(model_type: str):
+        if model_type not in started:
+            tmp = tmp_path_factory.mktemp(model_type)
+            path = tmp / "model"
+            save_tiny_model(model_type, path, vocab_size=320, bos_token_id=256, eos_token_id=None)
+            save_tiny_tokenizer(path)
+            proc, url = launch(str(path), tmp, "--dtype", "float32", "--num-shard", "2",
+                               "--master-port", str(free_port()), "--max-batch-prefill-tokens", "16",
+                               "--max-input-tokens", "64", "--max-total-tokens", "128", wait=False)
+            started[model_type] = proc, url, tmp, path
+        return started[model_type]
+    yield start
+    for proc, *_ in started.values():
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(30)
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
-def family(request, tmp_path_factory):
-    """(model_type, checkpoint path, transformers' answer per prompt:
-    (prompt ids, greedy ids, logprob of each prompt token after the first))."""
+def family(request, launches):
+    """(the URL of the family's server, transformers' answer per prompt). A
+    launch costs ~5 s on two cores, most of it two shard processes importing
+    torch and transformers, so none waits alone: transformers' answers are
+    computed while the family's shards load (on one torch thread: beside
+    them, two would wait on each other in every parallel region), and once
+    its server is up the next selected family's launcher starts, to load
+    while this family's requests run (round trips between three processes,
+    which leave the cores mostly idle)."""
     model_type = request.param
-    path = tmp_path_factory.mktemp(model_type) / "model"
-    save_tiny_model(model_type, path, vocab_size=320, bos_token_id=256, eos_token_id=None)
-    save_tiny_tokenizer(path)
+    proc, url, tmp, path = launches(model_type)
+    try:
+        with torch_threads(1):
+            expected = _reference(model_type, path)
+        wait_launched(proc, url, tmp)
+        selected = _selected_families(request)
+        if model_type in selected[:-1]:
+            launches(selected[selected.index(model_type) + 1])
+        yield url, expected
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def _selected_families(request) -> list[str]:
+    """The families of this module's tests in this run, in their order."""
+    families = []
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.module is request.module and params.get("family") not in (None, *families):
+            families.append(params["family"])
+    return families
+
+
+def _reference(model_type: str, path) -> list:
+    """transformers' answer per prompt: (prompt ids, greedy ids, logprob of
+    each prompt token after the first)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -64,7 +120,7 @@ def family(request, tmp_path_factory):
             logprobs = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
         prompt_logprobs = [logprobs[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
         expected.append((ids, hf_greedy(hf, ids, NEW_TOKENS), prompt_logprobs))
-    return model_type, path, expected
+    return expected
 
 
 def _check(answers: list[dict], expected: list) -> None:
@@ -76,20 +132,12 @@ def _check(answers: list[dict], expected: list) -> None:
             assert max(abs(a - b) for a, b in zip(ours, prompt_logprobs)) < 1e-4
 
 
-def test_chunked_prefill_prefix_hits_and_two_shards_match_transformers(family, tmp_path):
-    """One launch for all three (a launch costs ~7 s on two cores): two
-    shards, a 16-token prefill budget (every prompt but the first is
-    computed in chunks), then the same prompts again from the prefix cache."""
-    model_type, path, expected = family
-    proc, url = launch(str(path), tmp_path, "--dtype", "float32", "--num-shard", "2",
-                       "--master-port", str(free_port()), "--max-batch-prefill-tokens", "16",
-                       "--max-input-tokens", "64", "--max-total-tokens", "128")
-    try:
-        _check(_serve(url), expected)  # computes the prompts, filling the cache
-        assert _metric(url, "tgi_prefix_cache_hit_tokens") == 0
-        _check(_serve(url, prompt_logprobs=False), expected)  # the same prompts: full blocks from the cache
-        # the full 16-token blocks before each prompt's last token (21, 39 and 50 tokens: 1, 2 and 3)
-        assert _metric(url, "tgi_prefix_cache_hit_tokens") == 16 * (1 + 2 + 3)
-    finally:
-        proc.terminate()
-        proc.wait(30)
+def test_chunked_prefill_prefix_hits_and_two_shards_match_transformers(family):
+    """The prompts computed over two shards in chunks, then again from the
+    prefix cache (the server: `family`)."""
+    url, expected = family
+    _check(_serve(url), expected)  # computes the prompts, filling the cache
+    assert _metric(url, "tgi_prefix_cache_hit_tokens") == 0
+    _check(_serve(url, prompt_logprobs=False), expected)  # the same prompts: full blocks from the cache
+    # the full 16-token blocks before each prompt's last token (21, 39 and 50 tokens: 1, 2 and 3)
+    assert _metric(url, "tgi_prefix_cache_hit_tokens") == 16 * (1 + 2 + 3)
