@@ -79,8 +79,11 @@ def smollm2_greedy(smollm2_hf):
     transformers' greedy continuation of `text` under `smollm2_hf`, EOS never
     ending it. Each text is generated once a session, at the longest length
     any test takes: a shorter greedy generation is exactly that one's prefix
-    (each step's argmax sees the same tokens, whatever the length asked)."""
-    from .shard_harness import hf_greedy
+    (each step's argmax sees the same tokens, whatever the length asked).
+    On one torch thread: beside other processes' work two OpenMP threads
+    wait on each other in every op (shard_harness.torch_threads), and a
+    16-token answer took 24 s with two on a loaded host, 1.2 s with one."""
+    from .shard_harness import hf_greedy, torch_threads
 
     model, tokenizer, _ = smollm2_hf
     done: dict[str, list[int]] = {}
@@ -88,6 +91,7 @@ def smollm2_greedy(smollm2_hf):
     def greedy(text: str, n: int) -> list[int]:
         assert n <= SMOLLM2_GREEDY_TOKENS, n
         if text not in done:
-            done[text] = hf_greedy(model, tokenizer(text)["input_ids"], SMOLLM2_GREEDY_TOKENS)
+            with torch_threads(1):
+                done[text] = hf_greedy(model, tokenizer(text)["input_ids"], SMOLLM2_GREEDY_TOKENS)
         return done[text][:n]
     return greedy

@@ -10,7 +10,7 @@ from tgi_server.batch import build_batch
 from tgi_server.sequences import ShardSequence
 
 from ..conftest import SMOLLM2_GREEDY_TOKENS
-from ..shard_harness import HF_CLASSES, InProcessShard, hf_greedy, run_prompts, save_tiny_model
+from ..shard_harness import HF_CLASSES, InProcessShard, hf_greedy, run_prompts, save_tiny_model, torch_threads
 
 PROMPTS = [[1, 17, 33, 91, 5], [1, 200, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
            [1, 64], list(range(1, 40))]
@@ -66,17 +66,17 @@ def test_smollm2_matches_transformers(tmp_path, smollm2_hf, smollm2_greedy):
     tokens): each sequence crosses two 16-token KV blocks while decoding, and
     greedy text of a 135M model drifts away within a few tokens of a wrong
     logit. transformers' tokens come from the session's cache, which
-    test_gguf shares."""
+    test_gguf shares. On one torch thread (shard_harness.torch_threads)."""
     hf, tokenizer, gguf_path = smollm2_hf
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
              "The three primary colors are"]
     prompts = [tokenizer(t)["input_ids"] for t in texts]
     expected = [smollm2_greedy(t, SMOLLM2_GREEDY_TOKENS) for t in texts]
-    with InProcessShard(tmp_path, str(gguf_path), kv_cache_bytes=64 << 20) as shard:
+    with torch_threads(1), InProcessShard(tmp_path, str(gguf_path), kv_cache_bytes=64 << 20) as shard:
         seqs = asyncio.run(run_prompts(shard.socket, prompts, SMOLLM2_GREEDY_TOKENS))
         ours = engine_logits(shard.runner, prompts[0])
-    with torch.no_grad():
-        theirs = hf(torch.tensor([prompts[0]])).logits[0]
+        with torch.no_grad():
+            theirs = hf(torch.tensor([prompts[0]])).logits[0]
     assert (ours - theirs).abs().max().item() < 1e-4
     assert [len(s.generated_ids) for s in seqs] == [SMOLLM2_GREEDY_TOKENS] * 4
     assert [s.generated_ids for s in seqs] == expected

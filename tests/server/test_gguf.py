@@ -340,12 +340,19 @@ def test_smollm2_answers_in_english_so_q_k_are_unpermuted(smollm2_hf, smollm2_gr
 
 @pytest.mark.slow
 def test_smollm2_tensors_match_transformers_gguf_loader(smollm2_hf, smollm2_checkpoint, fast_gguf_reader):
+    """On one torch thread: its ops are copies and elementwise compares, whose
+    two OpenMP threads wait on each other beside other processes' work
+    (shard_harness.torch_threads)."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    theirs = load_gguf_checkpoint(str(smollm2_hf[2]), return_tensors=True, model_to_load=smollm2_hf[0])["tensors"]
-    assert set(theirs) == set(smollm2_checkpoint.tensors)
-    for name, tensor in smollm2_checkpoint.tensors.items():
-        torch.testing.assert_close(tensor, torch.as_tensor(theirs[name]), rtol=0, atol=1e-6, msg=name)
+    from ..shard_harness import torch_threads  # here: importing it costs seconds that this module's others need not
+
+    with torch_threads(1):
+        theirs = load_gguf_checkpoint(str(smollm2_hf[2]), return_tensors=True,
+                                      model_to_load=smollm2_hf[0])["tensors"]
+        assert set(theirs) == set(smollm2_checkpoint.tensors)
+        for name, tensor in smollm2_checkpoint.tensors.items():
+            torch.testing.assert_close(tensor, torch.as_tensor(theirs[name]), rtol=0, atol=1e-6, msg=name)
 
 
 # ---------------------------------------------------------------- qwen3 and gemma
