@@ -5,7 +5,6 @@ the `openai` SDK equal transformers' own GGUF loader (dequantized, float32)
 generating from the same rendered prompts, <end_of_turn> ending a turn."""
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -13,7 +12,8 @@ import torch
 
 from tgi_server.weights.gguf import load_gguf_tokenizer
 
-from .router_harness import launch
+from ..shard_harness import torch_threads
+from .router_harness import launch, wait_launched
 
 pytestmark = pytest.mark.slow
 
@@ -68,32 +68,25 @@ def transformers_answers(hf, tokenizer) -> list[tuple[str, str, int]]:
     return expected
 
 
-def stop(proc):
-    proc.terminate()
-    proc.wait(30)
-
-
 def test_greedy_chat_matches_transformers(gemma3, tmp_path, fast_gguf_reader):
-    """transformers loads the file (its own GGUF loader, float32) while the
-    server starts in its process: both mostly one core's Python and numpy.
-    It generates once the server is up and idle: two processes' OpenMP
-    threads on two cores would wait on each other."""
+    """transformers loads the file (its own GGUF loader, float32: mostly
+    Python and numpy) while the server starts in its process, and generates
+    once the server is up and idle. On one torch thread: beside another
+    process's work (the server's start, other tests) two OpenMP threads wait
+    on each other in every op (shard_harness.torch_threads); on a loaded
+    2-core host its generation took minutes with two."""
     from transformers import AutoModelForCausalLM
 
     path, tokenizer = gemma3
-    with ThreadPoolExecutor(1) as pool:
-        # Small warmup limits: its default 256-row decode step over the 262k vocabulary
-        # and 1,792-token prefill took 17 s in float32.
-        started = pool.submit(launch, str(path), tmp_path, "--dtype", "float32", "--kv-cache-bytes", "64MiB",
-                              "--max-batch-prefill-tokens", "512", "--max-batch-size", "4")
-        try:
-            hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-        except BaseException:
-            stop(started.result()[0])
-            raise
-    proc, url = started.result()
+    # Small warmup limits: its default 256-row decode step over the 262k vocabulary
+    # and 1,792-token prefill took 17 s in float32.
+    proc, url = launch(str(path), tmp_path, "--dtype", "float32", "--kv-cache-bytes", "64MiB",
+                       "--max-batch-prefill-tokens", "512", "--max-batch-size", "4", wait=False)
     try:
-        expected = transformers_answers(hf, tokenizer)
+        with torch_threads(1):
+            hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+            wait_launched(proc, url, tmp_path)
+            expected = transformers_answers(hf, tokenizer)
         del hf
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="-")
 
@@ -105,6 +98,7 @@ def test_greedy_chat_matches_transformers(gemma3, tmp_path, fast_gguf_reader):
             return await asyncio.wait_for(asyncio.gather(*(ask(c) for c in CHATS)), 300)
         answers = asyncio.run(ask_all())
     finally:
-        stop(proc)
+        proc.terminate()
+        proc.wait(30)
     got = [(a.choices[0].message.content, a.choices[0].finish_reason, a.usage.prompt_tokens) for a in answers]
     assert got == expected

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from benchmarks.watermark import TOPICS, answers
 from tgi_server.sampling.watermark_detect import THRESHOLD, detect, load_scorer
 
-from .router_harness import launch
+from .router_harness import launch, wait_launched
 
 
 def test_watermarked_answers_are_detected_and_others_are_not(tmp_path):
@@ -26,17 +26,18 @@ def test_watermarked_answers_are_detected_and_others_are_not(tmp_path):
     detectors = [subprocess.Popen([sys.executable, "-m", "tgi_server.cli", "watermark-detect"], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     try:
-        with ThreadPoolExecutor(2) as pool:
-            loaded = pool.submit(load_scorer, None)  # this process's, beside the start too
-            # A 512-token prefill budget: Warmup runs one such step (18 s at 4096 on two cores). 128 MiB
-            # of float32 KV: 182 blocks of 16 tokens, the eight answers' ~112 all at once.
-            proc, url = launch(None, tmp_path, "--kv-cache-bytes", "128MiB", "--max-batch-prefill-tokens", "512")
-            loaded.result()
-            try:  # all eight at once: 200 steps of batch 8
+        # A 512-token prefill budget: Warmup runs one such step (18 s at 4096 on two cores). 128 MiB
+        # of float32 KV: 182 blocks of 16 tokens, the eight answers' ~112 all at once.
+        proc, url = launch(None, tmp_path, "--kv-cache-bytes", "128MiB", "--max-batch-prefill-tokens", "512",
+                           wait=False)
+        try:
+            load_scorer(None)  # this process's, beside the start too
+            wait_launched(proc, url, tmp_path)
+            with ThreadPoolExecutor(2) as pool:  # all eight at once: 200 steps of batch 8
                 marked, plain = pool.map(lambda watermark: answers(url, TOPICS[:4], watermark), (True, False))
-            finally:
-                proc.terminate()
-                proc.wait(30)
+        finally:
+            proc.terminate()
+            proc.wait(30)
         assert all(n == 200 for _, n in marked + plain)
         # The command line on a marked and an unmarked answer, scoring them while this process does too:
         # its exit code says which.
