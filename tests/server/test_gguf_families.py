@@ -30,6 +30,7 @@ from ..shard_harness import (
     hf_greedy,
     run_prompts,
     save_tiny_model,
+    torch_threads,
     with_tensors,
 )
 from .test_engine_matches_hf import engine_logits
@@ -141,6 +142,15 @@ def model_type(request):
     return request.param
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models in this process (transformers', an in-process shard's) on
+    one torch thread, as the shard processes here run: beside other work, two
+    OpenMP threads wait on each other in every op (torch_threads)."""
+    with torch_threads(1):
+        yield
+
+
 def _file(model_type, tmp_path, qtype):
     source = save_tiny_model(model_type, tmp_path / model_type, **OVERRIDES.get(model_type, {}))
     path = tmp_path / f"{model_type}.{qtype.name}.gguf"
@@ -182,12 +192,19 @@ def test_prefill_logits_equal_transformers_on_the_dequantized_weights(model_type
 
 
 def test_greedy_tokens_equal_transformers_with_one_shard_and_two(model_type, tmp_path):
+    """The two-shard group's processes start (import, load) while
+    transformers and the in-process shard generate here."""
     source, path, stands_for = _file(model_type, tmp_path, Q.Q8_0)
-    model = reference(model_type, source, stands_for, tmp_path)
-    expected = [hf_greedy(model, prompt, 16) for prompt in PROMPTS]
-    with InProcessShard(tmp_path, str(path)) as shard:
-        one = [s.generated_ids for s in asyncio.run(run_prompts(shard.socket, PROMPTS, 16))]
-    with ShardProcesses(tmp_path, str(path), 2) as group:
+    group = ShardProcesses(tmp_path, str(path), 2)
+    try:
+        model = reference(model_type, source, stands_for, tmp_path)
+        expected = [hf_greedy(model, prompt, 16) for prompt in PROMPTS]
+        with InProcessShard(tmp_path, str(path)) as shard:
+            one = [s.generated_ids for s in asyncio.run(run_prompts(shard.socket, PROMPTS, 16))]
+    except BaseException:
+        group.__exit__(None, None, None)
+        raise
+    with group:
         two = [s.generated_ids for s in asyncio.run(run_prompts(group.sockets, PROMPTS, 16))]
     assert one == expected
     assert two == expected
