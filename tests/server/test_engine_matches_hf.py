@@ -17,6 +17,15 @@ PROMPTS = [[1, 17, 33, 91, 5], [1, 200, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
 NEW_TOKENS = 48
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """transformers and the in-process shard on one torch thread: beside other
+    processes' work two OpenMP threads wait on each other in every op
+    (shard_harness.torch_threads; no result depends on the count)."""
+    with torch_threads(1):
+        yield
+
+
 def engine_logits(runner, prompt: list[int]) -> torch.Tensor:
     """Prefill logits [len(prompt), vocab] from our model for one sequence."""
     seq = ShardSequence(id=1, token_ids=list(prompt), prompt_length=len(prompt), num_computed=0,
@@ -66,17 +75,17 @@ def test_smollm2_matches_transformers(tmp_path, smollm2_hf, smollm2_greedy):
     tokens): each sequence crosses two 16-token KV blocks while decoding, and
     greedy text of a 135M model drifts away within a few tokens of a wrong
     logit. transformers' tokens come from the session's cache, which
-    test_gguf shares. On one torch thread (shard_harness.torch_threads)."""
+    test_gguf shares."""
     hf, tokenizer, gguf_path = smollm2_hf
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
              "The three primary colors are"]
     prompts = [tokenizer(t)["input_ids"] for t in texts]
     expected = [smollm2_greedy(t, SMOLLM2_GREEDY_TOKENS) for t in texts]
-    with torch_threads(1), InProcessShard(tmp_path, str(gguf_path), kv_cache_bytes=64 << 20) as shard:
+    with InProcessShard(tmp_path, str(gguf_path), kv_cache_bytes=64 << 20) as shard:
         seqs = asyncio.run(run_prompts(shard.socket, prompts, SMOLLM2_GREEDY_TOKENS))
         ours = engine_logits(shard.runner, prompts[0])
-        with torch.no_grad():
-            theirs = hf(torch.tensor([prompts[0]])).logits[0]
+    with torch.no_grad():
+        theirs = hf(torch.tensor([prompts[0]])).logits[0]
     assert (ours - theirs).abs().max().item() < 1e-4
     assert [len(s.generated_ids) for s in seqs] == [SMOLLM2_GREEDY_TOKENS] * 4
     assert [s.generated_ids for s in seqs] == expected
