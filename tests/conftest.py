@@ -64,7 +64,10 @@ def smollm2_hf():
     from tgi_server.quant.quantizer import load_float_model
     from tgi_server.weights.resolve import default_model_path
 
-    model, tokenizer = load_float_model(None)
+    from .shard_harness import torch_threads
+
+    with torch_threads(1):  # copies: two OpenMP threads beside other work wait on each other
+        model, tokenizer = load_float_model(None)
     return model, tokenizer, default_model_path()
 
 
