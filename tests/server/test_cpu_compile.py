@@ -14,7 +14,7 @@ from tgi_server import decode_graphs
 from tgi_server.batch import build_batch
 from tgi_server.sequences import ShardSequence
 
-from ..shard_harness import InProcessShard, hf_greedy, run_prompts, save_tiny_model
+from ..shard_harness import InProcessShard, hf_greedy, run_prompts, save_tiny_model, torch_threads
 
 NEW_TOKENS = 12
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "The three primary colors are"]
@@ -82,22 +82,25 @@ def test_smollm2_float32_compiled_greedy_is_transformers_and_eager(tmp_path, smo
     # Every row count runs compiled, whatever Warmup would measure: padded steps are what this checks.
     monkeypatch.setattr(decode_graphs.DecodeGraphs, "_calibrate", lambda self: dict.fromkeys(self.sizes, 1))
     prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
-    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    with InProcessShard(tmp_path, str(gguf_path), kv_cache_bytes=64 << 20, cuda_graphs=(1, 4)) as shard:
-        runner = shard.runner
-        ran = _counted(monkeypatch)
+    # One thread (shard_harness.torch_threads): on two cores shared with other work, transformers' greedy
+    # took 74-84 s here with two, 8-10 s with one; the shard compiles its steps for one.
+    with torch_threads(1):
+        expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+        with InProcessShard(tmp_path, str(gguf_path), kv_cache_bytes=64 << 20, cuda_graphs=(1, 4)) as shard:
+            runner = shard.runner
+            ran = _counted(monkeypatch)
 
-        def generate(ps: list[list[int]], warmup: bool = False) -> list[list[int]]:
-            seqs = asyncio.run(run_prompts(shard.socket, ps, NEW_TOKENS, warmup=warmup))
-            return [s.generated_ids for s in seqs]
-        together = generate(prompts, warmup=True)
-        assert runner.graphs is not None and runner.graphs.sizes == (1, 4)
-        alone = generate(prompts[:1])
-        three = generate(prompts[1:])  # padded to 4
-        assert ran == [4] * (NEW_TOKENS - 1) + [1] * (NEW_TOKENS - 1) + [4] * (NEW_TOKENS - 1)  # every decode step
-        runner.graphs.floors = {1: 2, 4: 5}
-        eager = generate(prompts)
-        assert len(ran) == 3 * (NEW_TOKENS - 1)  # none of its steps compiled
+            def generate(ps: list[list[int]], warmup: bool = False) -> list[list[int]]:
+                seqs = asyncio.run(run_prompts(shard.socket, ps, NEW_TOKENS, warmup=warmup))
+                return [s.generated_ids for s in seqs]
+            together = generate(prompts, warmup=True)
+            assert runner.graphs is not None and runner.graphs.sizes == (1, 4) and runner.graphs.threads == 1
+            alone = generate(prompts[:1])
+            three = generate(prompts[1:])  # padded to 4
+            assert ran == [4] * (NEW_TOKENS - 1) + [1] * (NEW_TOKENS - 1) + [4] * (NEW_TOKENS - 1)  # every step
+            runner.graphs.floors = {1: 2, 4: 5}
+            eager = generate(prompts)
+            assert len(ran) == 3 * (NEW_TOKENS - 1)  # none of its steps compiled
     assert together == expected == eager
     assert alone + three == expected
 
