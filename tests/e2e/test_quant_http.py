@@ -13,7 +13,7 @@ import pytest
 from tgi_server.cli import main as server_cli
 
 from ..shard_harness import save_tiny_served_model
-from .router_harness import launch
+from .router_harness import free_port, launch, wait_launched
 from .test_tensor_parallel_http import PROMPTS, answers
 
 pytestmark = pytest.mark.slow
@@ -36,8 +36,17 @@ def gptq_model(float_model):
 
 def test_gptq_on_two_shards_answers_as_one_shard(gptq_model, tmp_path):
     # float32: the quantized layers' packed kernels, and partial sums close enough for seeded draws.
-    one = answers(gptq_model, tmp_path, 1, "--quantize", "gptq", "--dtype", "float32")
-    two = answers(gptq_model, tmp_path, 2, "--quantize", "gptq", "--dtype", "float32")
+    # Both launches load at once; each is then asked one request at a time (see `answers`).
+    launches = [launch(gptq_model, tmp_path / f"n{n}", "--num-shard", str(n), "--master-port", str(free_port()),
+                       "--quantize", "gptq", "--dtype", "float32", wait=False) for n in (1, 2)]
+    try:
+        for n, (proc, url) in zip((1, 2), launches):
+            wait_launched(proc, url, tmp_path / f"n{n}")
+        one, two = (answers(url) for _, url in launches)
+    finally:
+        for proc, _ in launches:
+            proc.terminate()
+            proc.wait(30)
     assert two == one
     assert all(text for text in one[0])  # 16 greedy tokens each, never an empty answer
 
