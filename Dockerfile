@@ -134,23 +134,27 @@ RUN --mount=type=bind,from=build-ca,target=/tmp/build-ca \
     if ls /tmp/wheels/*.whl >/dev/null 2>&1; then pip install /tmp/wheels/*.whl; fi \
     && rm -rf /tmp/wheels
 
+# The CPU image compiles our C++ kernels (tgi_kernels/csrc) for the CPU they
+# run on: built here for the build host, from the kernels' source alone (a
+# minute on two cores, in a layer that an edit elsewhere in the project
+# reuses), and once more, on first use, into the same cache (world-writable,
+# as any uid may serve) where the serving CPU has other flags. The cache key
+# is the sources' content, so the installed package finds this build.
+ENV XDG_CACHE_HOME=/opt/cache
+COPY kernels ./kernels
+RUN mkdir -p /opt/cache/tgi_kernels && chmod 1777 /opt/cache /opt/cache/tgi_kernels \
+    && if [ "$DEVICE" = "cpu" ]; then PYTHONPATH=kernels python3 -c "from tgi_kernels.native import build; print(build())"; fi
+
 COPY pyproject.toml ./
 COPY proto ./proto
 COPY router ./router
 COPY server ./server
-COPY kernels ./kernels
 COPY README.md ./
 RUN --mount=type=bind,from=build-ca,target=/tmp/build-ca \
     if [ -f /tmp/build-ca/ca.crt ]; then export PIP_CERT=/tmp/build-ca/ca.crt; fi; \
-    pip install --no-deps . && rm -rf build
-
-# The CPU image compiles our C++ kernels (tgi_kernels/csrc) for the CPU they
-# run on: built here for the build host, and once more, on first use, into the
-# same cache (world-writable, as any uid may serve) where the serving CPU has
-# other flags.
-ENV XDG_CACHE_HOME=/opt/cache
-RUN mkdir -p /opt/cache/tgi_kernels && chmod 1777 /opt/cache /opt/cache/tgi_kernels \
-    && if [ "$DEVICE" = "cpu" ]; then python3 -c "from tgi_kernels.native import build; print(build())"; fi
+    pip install --no-deps . && rm -rf build \
+    && if [ "$DEVICE" = "cpu" ]; then python3 -c "from tgi_kernels.native import build, cache_root; \
+build(); assert len(list(cache_root().iterdir())) == 1, 'the installed kernels compiled again'"; fi
 
 # TGI's conventions: models and the hub cache under /data (a volume), the
 # router on port 80, the launcher as the entrypoint (flags as arguments).

@@ -187,10 +187,14 @@ def test_layers_go_from_dependencies_to_source():
     requirements = position(lambda c: c.cmd == "COPY" and "--from=requirements" in c.flags)
     dependencies = position(lambda c: c.cmd == "RUN" and "-r /tmp/requirements.txt" in c.value[0])
     flash_attn = position(lambda c: c.cmd == "COPY" and "--from=flash-attn" in c.flags)
+    kernels = position(lambda c: c.cmd == "COPY" and c.value[0] == "kernels")
+    kernels_build = position(lambda c: c.cmd == "RUN" and "tgi_kernels.native import build" in c.value[0])
     pyproject = position(lambda c: c.cmd == "COPY" and c.value[0] == "pyproject.toml")
-    source = position(lambda c: c.cmd == "COPY" and c.value[0] in ("proto", "router", "server", "kernels"))
+    source = position(lambda c: c.cmd == "COPY" and c.value[0] in ("proto", "router", "server"))
     project = position(lambda c: c.cmd == "RUN" and "pip install --no-deps ." in c.value[0])
-    assert requirements < dependencies < flash_attn < pyproject < source < project
+    assert requirements < dependencies < flash_attn < kernels < kernels_build < pyproject < source < project
+    # The C++ kernels compile from their own source alone: an edit elsewhere reuses that layer.
+    assert not [c for c in runtime[kernels + 1:kernels_build] if c.cmd == "COPY"]
     # The dependencies' layer is keyed by the list cut from pyproject.toml, not by the whole file.
     assert not [c for c in runtime[:dependencies] if c.cmd == "COPY" and not c.flags]
 
