@@ -2,9 +2,9 @@
 carry large activations (and scale the op feeding them down by the same
 factors), so their weights lose less to rounding. The factors are
 s = mean|x|^alpha, with alpha picked on a grid to minimise the error of the
-layers' outputs on calibration inputs. Each alpha is judged by rounding
-with the output-error grid search (affine_grid with the groups' input
-second moments); the final rounding is GPTQ's (quantize_model.py)."""
+layers' outputs on calibration inputs. Each alpha is judged, as in the
+paper, by plain min-max rounding to nearest; the final rounding, with its
+grids searched for output error, is GPTQ's (quantize_model.py)."""
 
 import torch
 
@@ -15,16 +15,9 @@ from ..quantized_matrix import quantize_rtn
 GRID = 10
 
 
-def group_blocks(hessian: torch.Tensor, size: int) -> torch.Tensor:
-    """hessian [K, K] -> [K / size, size, size]: each group's diagonal block."""
-    g = hessian.shape[0] // size
-    return hessian.reshape(g, size, g, size).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
-
-
-def fake_quantize(weight: torch.Tensor, group_size: int, hessian: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] rounded as AWQ stores it (4 bits, asymmetric groups, grids
-    searched for output error under `hessian`, see group_blocks) and back."""
-    return quantize_rtn(weight, 4, group_size, symmetric=False, search=True, hessian=hessian).dequantize()
+def fake_quantize(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """weight [N, K] rounded as AWQ stores it (4 bits, asymmetric min-max groups) and back."""
+    return quantize_rtn(weight, 4, group_size, symmetric=False).dequantize()
 
 
 def search_scales(inputs: torch.Tensor, weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
@@ -40,14 +33,11 @@ def search_scales(inputs: torch.Tensor, weights: list[torch.Tensor], group_size:
     hessian = x.T @ x / x.shape[0]                # [K, K]
     activation = x.abs().mean(0)                  # [K]
     best, best_loss = torch.ones_like(activation), float("inf")
-    blocks = group_blocks(hessian, group_size)    # [G, size, size]
     for step in range(GRID):
         alpha = step / GRID
         s = activation.pow(alpha).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        groups = s.reshape(-1, group_size)     # W * s sees inputs x / s: H / (s s^T)
-        scaled = blocks / (groups[:, :, None] * groups[:, None, :])
-        error = fake_quantize(w * s, group_size, scaled) / s - w  # [N, K]
+        error = fake_quantize(w * s, group_size) / s - w  # [N, K]: W * s sees inputs x / s
         loss = float(((error @ hessian) * error).sum() / error.shape[0])
         if loss < best_loss:
             best, best_loss = s, loss
