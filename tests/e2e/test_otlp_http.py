@@ -40,14 +40,25 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
                     self.spans.extend((attrs.get("service.name"), span) for span in scope.spans)
         return trace_service_pb2.ExportTraceServiceResponse()
 
-    def wait_for(self, names: set[str], timeout: float = 20.0) -> list:
+    def wait_for(self, roots: set[str], timeout: float = 20.0) -> list:
+        """The spans, once each named root and all of its children (the four
+        phases and a step per token) are in: children end before their root
+        but may travel in a later batch."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             with self.lock:
-                if names <= {span.name for _, span in self.spans}:
+                if all(_complete(name, self.spans) for name in roots):
                     return list(self.spans)
             time.sleep(0.2)
-        raise AssertionError(f"spans {names} not received: {[s.name for _, s in self.spans]}")
+        raise AssertionError(f"spans of {roots} not all received: {[s.name for _, s in self.spans]}")
+
+
+def _complete(root_name: str, spans: list) -> bool:
+    roots = [span for _, span in spans if span.name == root_name]
+    if not roots:
+        return False
+    names = [span.name for _, span in spans if span.parent_span_id == roots[0].span_id]
+    return {"validate", "queue", "inference", "response"} <= set(names) and names.count("step") >= NEW_TOKENS
 
 
 @pytest.fixture
@@ -80,8 +91,6 @@ def test_spans_of_a_streamed_and_a_plain_request_and_none_lost_silently(receiver
         with httpx.stream("POST", url + "/generate_stream", json=body, timeout=60) as s:
             assert s.status_code == 200 and sum(1 for line in s.iter_lines() if line.startswith("data:")) == NEW_TOKENS
         spans = collected.wait_for({"generate", "generate_stream"})
-        time.sleep(2)  # children end before their roots, but may travel in a later batch
-        spans = collected.spans
         assert {service for service, _ in spans} == {"tgi-test"}
         roots = {span.name: span for _, span in spans if span.name in ("generate", "generate_stream")}
         plain, streamed = roots["generate"], roots["generate_stream"]
