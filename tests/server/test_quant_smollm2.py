@@ -12,6 +12,7 @@ quarter of its calibration forwards), AWQ on the default 64 (its scale search
 overfits fewer: docs/tuning.md#gptq-and-awq-perplexity). The float reference
 is the GGUF file dequantized once."""
 
+import copy
 import sysconfig
 from pathlib import Path
 
@@ -37,19 +38,26 @@ SERVED = default_dtype(torch.device("cpu"))
 LICENSE = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
 
 
+def loaded_copy(smollm2_hf) -> tuple:
+    """A copy of the session's SmolLM2 (load_float_model(None)'s pair) for a
+    quantizer to change: a copy takes ~0.5 s, a load from the GGUF file ~5."""
+    model, tokenizer, _ = smollm2_hf
+    return copy.deepcopy(model), tokenizer
+
+
 @pytest.fixture(scope="module")
-def float_checkpoint(tmp_path_factory):
+def float_checkpoint(tmp_path_factory, smollm2_hf):
     path = tmp_path_factory.mktemp("smollm2") / "bf16"
-    save_float_model(None, path)
+    save_float_model(None, path, loaded=loaded_copy(smollm2_hf))
     return path
 
 
 @pytest.fixture(scope="module", params=["gptq", "awq"])
-def quantized(request, tmp_path_factory):
+def quantized(request, tmp_path_factory, smollm2_hf):
     """(method, SmolLM2 quantized by it: 4 bits, groups of 32; GPTQ asymmetric with act-order)."""
     path = tmp_path_factory.mktemp("smollm2") / request.param
     quantize_model(None, path, request.param, group_size=32, act_order=request.param == "gptq",
-                   calibration_sequences=CALIBRATION_SEQUENCES[request.param])
+                   calibration_sequences=CALIBRATION_SEQUENCES[request.param], loaded=loaded_copy(smollm2_hf))
     return request.param, path
 
 

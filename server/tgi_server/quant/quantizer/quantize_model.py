@@ -21,11 +21,13 @@ QUANTIZABLE = ("llama", "mistral", "qwen2", "qwen3")
 
 def quantize_model(model_id: str | None, out: Path, method: str, bits: int = 4, group_size: int = 128,
                    act_order: bool = False, symmetric: bool = False, calibration_sequences: int = 64, length: int = 128,
-                   seed: int = 0, calibration: str | Path = "stdlib") -> None:
+                   seed: int = 0, calibration: str | Path = "stdlib", loaded: tuple | None = None) -> None:
     """Quantize every decoder linear of `model_id` (None: the default model)
     with GPTQ (`bits` 4 or 8, symmetric or not, optional act-order) or AWQ
     (4 bits, asymmetric, searched scales) and write the checkpoint to `out`.
     calibration: "stdlib", "generated" or a text file (calibration.py).
+    loaded: load_float_model(model_id)'s (model, tokenizer) already in
+    memory, used instead of loading it again; its weights are changed.
 
     Layer by layer, and within a layer q/k/v, o, gate/up, down in turn, each
     is rounded by GPTQ on the inputs the already-quantized model feeds it.
@@ -35,7 +37,7 @@ def quantize_model(model_id: str | None, out: Path, method: str, bits: int = 4, 
     nearest on SmolLM2-135M."""
     if method == "awq" and (bits != 4 or act_order or symmetric):
         raise ValueError("AWQ writes asymmetric 4-bit checkpoints without act-order")
-    model, tokenizer = load_float_model(model_id)
+    model, tokenizer = loaded or load_float_model(model_id)
     if model.config.model_type not in QUANTIZABLE:
         raise ValueError(f"the quantizer follows the decoder layers of {', '.join(QUANTIZABLE)}, not "
                          f"{model.config.model_type}'s (norms after attention, fused or routed MLPs)")
@@ -90,10 +92,12 @@ def _awq_rescale(layer, captured_inputs: dict[str, torch.Tensor], group_size: in
                     previous.bias.div_(s)
 
 
-def save_float_model(model_id: str | None, out: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+def save_float_model(model_id: str | None, out: Path, dtype: torch.dtype = torch.bfloat16,
+                     loaded: tuple | None = None) -> None:
     """`model_id` (a GGUF file too, dequantized) as a plain safetensors
-    directory in `dtype`: the full-precision side of comparisons."""
-    model, tokenizer = load_float_model(model_id)
+    directory in `dtype`: the full-precision side of comparisons. loaded:
+    as quantize_model's (the model is converted to `dtype` in place)."""
+    model, tokenizer = loaded or load_float_model(model_id)
     model.to(dtype).save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
