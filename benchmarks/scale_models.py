@@ -39,11 +39,6 @@ SHAPES = {
                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
                         rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=True),
 }
-# HF name (after model.layers.N.) -> GGUF name (after blk.N.)
-LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-               "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down"}
 FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}  # llama.cpp's, for rows not a multiple of 256
 ENCODERS = {Q.Q4_K: quantize_q4_k, Q.Q6_K: quantize_q6_k}
 
@@ -101,16 +96,6 @@ def encode(weight: np.ndarray, kind: Q) -> np.ndarray:
     return ENCODERS[kind](weight) if kind in ENCODERS else gguf.quants.quantize(weight, kind)
 
 
-def gguf_name(hf_name: str) -> str:
-    if hf_name == "model.embed_tokens.weight":
-        return "token_embd.weight"
-    if hf_name == "model.norm.weight":
-        return "output_norm.weight"
-    _, _, layer, rest = hf_name.split(".", 3)
-    module, _, leaf = rest.rpartition(".")
-    return f"blk.{layer}.{LAYER_NAMES[module]}.{leaf}"
-
-
 def interleave_rope(weight: np.ndarray, heads: int) -> np.ndarray:
     """Q or K rows [heads * head_dim, K] from HF's half-split RoPE order to
     GGUF llama's interleaved one (llama.cpp's converter's permutation)."""
@@ -122,7 +107,8 @@ def write_gguf(hf: Path, path: Path, kind: str) -> None:
     from safetensors.torch import load_file
 
     config = transformers.AutoConfig.from_pretrained(hf)
-    arch = config.model_type
+    arch = config.model_type  # "llama" or "qwen2": GGUF's architecture names too
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     tensors = {}
     for file in sorted(hf.glob("*.safetensors")):
@@ -138,8 +124,7 @@ def write_gguf(hf: Path, path: Path, kind: str) -> None:
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"] if getattr(config, "rope_parameters", None)
-                              else config.rope_theta)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -149,7 +134,7 @@ def write_gguf(hf: Path, path: Path, kind: str) -> None:
             sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
     for hf_name, weight in tensors.items():
-        name = gguf_name(hf_name)
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config.num_attention_heads if "attn_q" in name else config.num_key_value_heads
             weight = interleave_rope(weight, heads)
